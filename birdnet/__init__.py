@@ -1,0 +1,21 @@
+"""birdnet: compressed gradient all-reduce for clusters of edge boxes.
+
+The package is layered (see docs/architecture.md):
+
+* ``birdnet`` (this package) is the core: codecs, kernels, the ring algorithms, the wire format,
+  settings and errors. Nothing here opens a socket.
+* ``birdnet.daemon`` is the service (``birdnetd``): ZeroMQ transport, peers, client sessions,
+  shared memory, metrics, systemd glue.
+* ``birdnet.client`` is the small library training code imports. Importing it (or this package)
+  never imports Numba: training processes should not pay for the JIT.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+#: Wire protocol version; peers and clients refuse a different one (see birdnet.wire).
+PROTOCOL_VERSION = 1
+
+from birdnet.errors import BirdnetError  # noqa: E402
+
+__all__ = ["BirdnetError", "PROTOCOL_VERSION", "__version__"]

@@ -1,0 +1,54 @@
+"""Codec registry: one codec per file, registered by name.
+
+``get_codec("birdplus", density=0.01)`` returns a configured codec. Modules are imported lazily
+(they import Numba), so importing ``birdnet.codecs`` itself is cheap.
+
+How to add a codec: write ``birdnet/codecs/NAME.py`` with a :class:`~birdnet.codecs.base.Codec`
+subclass whose ``name`` is NAME, add ``"NAME": "birdnet.codecs.NAME:ClassName"`` to ``_MODULES``,
+add its kernels' reference tests under ``tests/``, and list it in docs/codecs.md.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
+from birdnet.errors import CodecError
+
+_MODULES: dict[str, str] = {
+    "none": "birdnet.codecs.none:NoneCodec",
+    "fp16": "birdnet.codecs.fp16:Fp16Codec",
+    "topk": "birdnet.codecs.topk:TopKCodec",
+    "randomk": "birdnet.codecs.randomk:RandomKCodec",
+    "dgc": "birdnet.codecs.dgc:DGCCodec",
+    "qsgd": "birdnet.codecs.qsgd:QSGDCodec",
+    "efsign": "birdnet.codecs.efsign:EFSignCodec",
+    "bird": "birdnet.codecs.bird:BirdCodec",
+    "birdplus": "birdnet.codecs.birdplus:BirdPlusCodec",
+    "marsit": "birdnet.codecs.marsit:MarsitCodec",
+    "signcascade": "birdnet.codecs.signcascade:SignCascadeCodec",
+}
+
+
+def names() -> list[str]:
+    """All registered codec names."""
+    return sorted(_MODULES)
+
+
+def codec_class(name: str) -> type[Codec]:
+    target = _MODULES.get(name)
+    if target is None:
+        raise CodecError(f"unknown codec {name!r}; choose one of: {', '.join(names())}")
+    module, cls = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:  # a codec not built yet is an error, not a crash
+        raise CodecError(f"codec {name!r} is registered but cannot be loaded: {exc}") from exc
+
+
+def get_codec(name: str, **params: Any) -> Codec:
+    """A configured codec; :class:`CodecError` names an unknown codec or parameter."""
+    return codec_class(name)(**params)
+
+
+__all__ = ["Codec", "Pattern", "Payload", "RoundContext", "get_codec", "names", "codec_class"]

@@ -1,0 +1,96 @@
+"""One error hierarchy for the whole system.
+
+Every class says, in its docstring, how the system reacts when it is raised. Classes that have a
+natural builtin counterpart also subclass it (a timeout is also a ``TimeoutError``), so callers can
+catch either. Errors cross the client socket as ``{"error": class name, "message": text}`` and are
+rebuilt on the client side by :func:`from_wire`.
+"""
+from __future__ import annotations
+
+
+class BirdnetError(Exception):
+    """Base class. Reaction: depends on the subclass; never leaves the daemon in a bad state."""
+
+
+class ConfigError(BirdnetError, ValueError):
+    """Bad settings, hosts file or command line. Reaction: fatal at start-up (exit status 2);
+    the message names the file, line or option and how to fix it."""
+
+
+class ProtocolError(BirdnetError):
+    """A peer or client sent bytes that do not follow the wire format (bad frame count, size over a
+    limit, wrong header types). Reaction: the message is logged and dropped; the sender is not
+    trusted further for that round; the daemon keeps serving everyone else."""
+
+
+class VersionMismatchError(ProtocolError):
+    """The other side speaks another protocol version or belongs to another cluster / settings
+    fingerprint. Reaction: the connection is refused and the difference is logged; clients get
+    this error instead of hanging."""
+
+
+class InputError(BirdnetError, ValueError):
+    """A training process handed over something the daemon cannot reduce (object dtype, shapes
+    that differ between participants, unknown op or codec, NaN with ``nan_policy="reject"``).
+    Reaction: the round fails for every participant with this message; the daemon keeps serving."""
+
+
+class RoundMismatchError(InputError):
+    """Participants of one round disagree (tensor name, shape, dtype, op, codec or its parameters,
+    or a shared selection digest). Reaction: the round fails for all of them with a message naming
+    the tensor, the ranks and what differs; the next round proceeds normally."""
+
+
+class CodecError(BirdnetError, ValueError):
+    """Unknown codec, bad codec parameter, or codec state over its memory cap. Reaction: the round
+    fails with this message; other tensors and rounds are unaffected."""
+
+
+class StateLimitError(CodecError, MemoryError):
+    """Codec state (error feedback, compensation) would exceed ``state_limit_bytes``. Reaction: the
+    round fails; ``client.reset_state()`` or a larger limit fixes it."""
+
+
+class DaemonUnavailableError(BirdnetError, ConnectionError):
+    """The client cannot reach its local daemon (not running, wrong socket path, permission).
+    Reaction: raised to the training code within about a second, with how to start the daemon."""
+
+
+class PeerLostError(BirdnetError, ConnectionError):
+    """A peer did not answer within ``peer_timeout`` during a round, or its connection closed.
+    Reaction: the round fails on every node that notices, naming the peer; the daemon keeps
+    running, reconnects, and the next round succeeds once the peer is back."""
+
+
+class RoundTimeoutError(BirdnetError, TimeoutError):
+    """A round did not complete within its deadline (a local process never submitted, or the caller's
+    ``timeout`` expired). Reaction: the round is abandoned; participants get this error."""
+
+
+class AuthenticationError(BirdnetError, PermissionError):
+    """A peer's CURVE key is unknown or missing, or a local process lacks permission.
+    Reaction: the connection is refused and logged; nothing from it is used."""
+
+
+class ShutdownError(BirdnetError):
+    """The daemon is stopping (SIGTERM). Reaction: rounds in flight are aborted cleanly and their
+    participants get this error; shared memory is unlinked."""
+
+
+_BY_NAME = {cls.__name__: cls for cls in [
+    BirdnetError, ConfigError, ProtocolError, VersionMismatchError, InputError, RoundMismatchError,
+    CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, RoundTimeoutError,
+    AuthenticationError, ShutdownError,
+]}
+
+
+def to_wire(exc: BaseException) -> dict:
+    """Encode an exception for the client socket."""
+    name = type(exc).__name__ if type(exc).__name__ in _BY_NAME else "BirdnetError"
+    return {"error": name, "message": str(exc)}
+
+
+def from_wire(d: dict) -> BirdnetError:
+    """Rebuild an exception sent by :func:`to_wire`; unknown names become ``BirdnetError``."""
+    cls = _BY_NAME.get(str(d.get("error")), BirdnetError)
+    return cls(str(d.get("message", "")))
