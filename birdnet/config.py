@@ -1,0 +1,157 @@
+"""Daemon settings: command-line flags, then environment (``BIRDNET_*``), then a TOML file
+(``--config``), then defaults.
+
+Timeouts are in seconds and named after what they guard (hivemind's lesson); their relationships
+are checked here, once, so a bad combination fails at start-up rather than mid-round.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from birdnet.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+
+def default_socket_path() -> str:
+    """``/run/birdnet/birdnetd.sock`` for the system service (root or the ``birdnet`` system user
+    with /run/birdnet present), else a per-user runtime directory."""
+    if os.path.isdir("/run/birdnet") and os.access("/run/birdnet", os.W_OK):
+        return "/run/birdnet/birdnetd.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "birdnet", "birdnetd.sock")
+    return os.path.join("/tmp", f"birdnet-{os.getuid()}", "birdnetd.sock")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a daemon is configured with. Fields marked *cluster-wide* go into the handshake
+    fingerprint: peers whose fingerprints differ refuse each other and log the difference."""
+
+    peers: str | None = None  #: hosts file; None = a one-node ring
+    rank: int | None = None  #: this node's line in the hosts file (0-based); None = detect
+    socket: str = ""  #: client Unix socket path ("" = default_socket_path())
+    local_size: int = 1  #: training processes per job on this node
+    cluster: str = "birdnet"  #: cluster-wide name
+    cluster_seed: int = 0  #: cluster-wide seed for shared random selections
+    codec: str = "none"  #: cluster-wide default codec
+    codec_params: dict = dataclasses.field(default_factory=dict)  #: cluster-wide default parameters
+    dense_threshold: int = 1024  #: cluster-wide: tensors with fewer elements always travel dense
+    chunk_bytes: int = 256 * 1024  #: cluster-wide: pipelining unit of the dense ring
+    peer_timeout: float = 10.0  #: no sign of life (data or heartbeat) from a neighbour for this long = lost
+    heartbeat_interval: float = 0.5  #: how often neighbours ping each other when idle
+    round_timeout: float = 600.0  #: a round whose participants never all arrive is abandoned after this
+    state_limit_bytes: int = 4 << 30  #: cap on codec state (error feedback, compensation) per daemon
+    max_message_bytes: int = 1 << 30  #: largest message accepted from a peer or client
+    nan_policy: str = "propagate"  #: "propagate" or "reject" NaN/Inf in contributions
+    metrics_port: int | None = None  #: serve Prometheus /metrics on this port (loopback unless metrics_host)
+    metrics_host: str = "127.0.0.1"
+    curve_secret_key: str | None = None  #: file with this node's CURVE secret key (enables CURVE)
+    curve_allowed_keys: str | None = None  #: file with allowed peer public keys, one per line
+    shm_group: str | None = None  #: group that may use the client socket and shared memory
+    log_level: str = "INFO"
+
+    CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
+                    "nan_policy")
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise ConfigError(msg)
+
+        if self.local_size < 1:
+            bad(f"local_size is {self.local_size}; it must be at least 1 (training processes per node)")
+        if self.rank is not None and self.rank < 0:
+            bad(f"rank is {self.rank}; ranks start at 0")
+        for name in ("peer_timeout", "heartbeat_interval", "round_timeout"):
+            if getattr(self, name) <= 0:
+                bad(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
+        if self.heartbeat_interval * 2 > self.peer_timeout:
+            bad(f"heartbeat_interval ({self.heartbeat_interval} s) must be at most half of peer_timeout "
+                f"({self.peer_timeout} s), or a live peer could be declared lost")
+        if self.chunk_bytes < 4096:
+            bad(f"chunk_bytes is {self.chunk_bytes}; use at least 4096")
+        if self.nan_policy not in ("propagate", "reject"):
+            bad(f"nan_policy is {self.nan_policy!r}; use 'propagate' or 'reject'")
+        if self.dense_threshold < 0:
+            bad("dense_threshold must be >= 0")
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or default_socket_path()
+
+    def fingerprint(self) -> str:
+        """A digest of the cluster-wide settings; equal on every node of a healthy cluster."""
+        return hashlib.sha256(json.dumps(self.cluster_wide(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def cluster_wide(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.CLUSTER_WIDE}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    f = _FIELDS[name]
+    typ = str(f.type)
+    try:
+        if value is None:
+            return None
+        if "dict" in typ:
+            if isinstance(value, str):
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise TypeError("expected a table / JSON object")
+            return value
+        if typ.startswith("int"):
+            if isinstance(value, bool):
+                raise TypeError("expected an integer")
+            return int(value)
+        if typ.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {name} = {value!r} is not valid ({exc})") from None
+
+
+def load_settings(flags: dict[str, Any] | None = None, config: str | None = None,
+                  environ: dict[str, str] | None = None) -> Settings:
+    """Merge ``flags`` (None values = not given) over ``BIRDNET_*`` environment over the TOML
+    file ``config`` over the defaults."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config = config or environ.get("BIRDNET_CONFIG")
+    if config:
+        try:
+            with open(config, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {config}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config} is not valid TOML: {exc}") from None
+        for k, v in data.items():
+            if k not in _FIELDS:
+                raise ConfigError(f"config file {config}: unknown setting {k!r}; known: "
+                                  f"{', '.join(sorted(_FIELDS))}")
+            values[k] = _coerce(k, v, f"config file {config}")
+        if values.get("peers") and not os.path.isabs(values["peers"]):
+            values["peers"] = str(Path(config).parent / values["peers"])
+    for k in _FIELDS:
+        env = environ.get(f"BIRDNET_{k.upper()}")
+        if env is not None and env != "":
+            values[k] = _coerce(k, env, f"environment BIRDNET_{k.upper()}")
+    for k, v in (flags or {}).items():
+        if v is not None:
+            if k not in _FIELDS:
+                raise ConfigError(f"unknown setting {k!r}")
+            values[k] = _coerce(k, v, f"--{k.replace('_', '-')}")
+    return Settings(**values)

@@ -1,0 +1,146 @@
+"""Chunked, pipelined ring reduce-scatter + all-gather (the dense all-reduce).
+
+Schedule (Patarasuk & Yuan's bandwidth-optimal ring, as in Gloo and NCCL): the vector is cut into
+``world`` segments; in reduce-scatter step s (0..world-2) rank r sends segment (r-s) mod world to
+rank r+1 and adds the segment (r-s-1) mod world it receives from rank r-1 into its own. After
+world-1 steps rank r holds the finished sum of segment (r+1) mod world; the all-gather then
+forwards finished segments round the ring. Each segment is cut into chunks of ``chunk_bytes`` and a
+chunk is passed on as soon as it is reduced, so a large tensor keeps every link busy.
+
+Why the result is bit-identical on every node: each element is summed exactly once, on one node, in
+one fixed order (along the ring, starting at the segment's owner), and then copied everywhere. IEEE
+addition is commutative, and nothing here reassociates. A wire dtype narrower than the data (fp16)
+is applied to the finished segment on its owner too, so the owner does not keep extra precision.
+
+Every message carries ``tag`` (the round's agreed fields, e.g. a selection digest) and an ``err``
+flag: a node that sees a tag different from its own keeps the schedule going (so nobody hangs) but
+marks the round failed, and the flag reaches every node before the schedule ends.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from birdnet.errors import ProtocolError, RoundMismatchError
+from birdnet.ring.transport import Transport
+
+
+def segment_bounds(n: int, world: int, align: int = 1) -> list[int]:
+    """Boundaries of ``world`` contiguous segments covering ``n`` elements, as equal as possible,
+    each boundary a multiple of ``align`` (the last segment takes the rest)."""
+    units = -(-n // align) if align > 1 else n
+    base, extra = divmod(units, world)
+    bounds = [0]
+    for i in range(world):
+        bounds.append(min(n, bounds[-1] + (base + (1 if i < extra else 0)) * align))
+    bounds[-1] = n
+    return bounds
+
+
+def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """Chunks of at most ``chunk`` elements; always at least one (possibly empty) chunk, so every
+    step sends at least one message and the schedule stays the same for any n."""
+    if stop <= start:
+        return [(start, start)]
+    return [(a, min(stop, a + chunk)) for a in range(start, stop, chunk)]
+
+
+class _Checker:
+    """Compares each received header with what this node expects, and remembers the first
+    disagreement so the round fails everywhere instead of producing garbage."""
+
+    def __init__(self, tag: dict[str, Any], rank: int, world: int) -> None:
+        self.tag, self.rank, self.world = tag, rank, world
+        self.error: str | None = None
+
+    def check(self, header: dict[str, Any], phase: str, step: int, chunk: int) -> None:
+        if header.get("p") != phase or header.get("s") != step or header.get("c") != chunk:
+            raise ProtocolError(
+                f"ring out of step: expected {phase} step {step} chunk {chunk}, got "
+                f"{header.get('p')!r} step {header.get('s')!r} chunk {header.get('c')!r} from rank "
+                f"{(self.rank - 1) % self.world}")
+        err = header.get("err")
+        if err and self.error is None:
+            self.error = str(err)
+        their = header.get("tag")
+        if self.error is None and their != self.tag:
+            left = (self.rank - 1) % self.world
+            diffs = [f"{k}: rank {left} has {(their or {}).get(k)!r}, rank {self.rank} has {self.tag.get(k)!r}"
+                     for k in sorted(set(self.tag) | set(their or {}))
+                     if (their or {}).get(k) != self.tag.get(k)]
+            self.error = "nodes disagree on the round: " + "; ".join(diffs)
+
+    def header(self, phase: str, step: int, chunk: int) -> dict[str, Any]:
+        h: dict[str, Any] = {"t": "data", "p": phase, "s": step, "c": chunk, "tag": self.tag}
+        if self.error:
+            h["err"] = self.error
+        return h
+
+
+def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 256 * 1024,
+                   wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None
+                   ) -> np.ndarray:
+    """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
+
+    ``timeout`` is the longest wait for any one message (a sign of life of the left neighbour).
+    ``wire_dtype`` (e.g. float16) is the dtype chunks travel in; sums are kept in ``x.dtype``.
+    With ``inplace`` the result overwrites ``x``. Raises :class:`RoundMismatchError` when nodes
+    disagree on ``tag``, :class:`~birdnet.errors.PeerLostError` when a neighbour stays silent.
+    """
+    if x.ndim != 1:
+        raise ValueError("ring_allreduce takes a 1-D array")
+    out = x if inplace else x.copy()
+    r, world = transport.rank, transport.world
+    if world == 1:
+        if wire_dtype is not None and np.dtype(wire_dtype) != out.dtype:
+            out[:] = out.astype(wire_dtype)
+        return out
+    wdt = np.dtype(wire_dtype) if wire_dtype is not None else out.dtype
+    narrow = wdt != out.dtype
+    per_chunk = max(1, chunk_bytes // wdt.itemsize)
+    bounds = segment_bounds(out.size, world)
+    chunks = [chunk_bounds(bounds[i], bounds[i + 1], per_chunk) for i in range(world)]
+    checker = _Checker(dict(tag or {}), r, world)
+
+    def encode(a: int, b: int) -> np.ndarray:
+        return out[a:b].astype(wdt) if narrow else out[a:b]
+
+    def receive(phase: str, step: int, ci: int, a: int, b: int) -> np.ndarray:
+        header, bufs = transport.recv(time.monotonic() + timeout)
+        checker.check(header, phase, step, ci)
+        if len(bufs) != 1 or bufs[0].nbytes != (b - a) * wdt.itemsize:
+            raise ProtocolError(f"ring {phase} step {step} chunk {ci}: expected {(b - a) * wdt.itemsize} "
+                                f"bytes from rank {(r - 1) % world}, got {[v.nbytes for v in bufs]}")
+        return np.frombuffer(bufs[0], dtype=wdt)
+
+    # Reduce-scatter. Step 0 sends this rank's own segment right away (ZeroMQ queues it).
+    for ci, (a, b) in enumerate(chunks[r]):
+        transport.send(checker.header("rs", 0, ci), [encode(a, b)])
+    for s in range(world - 1):
+        seg = (r - s - 1) % world
+        last = s == world - 2
+        for ci, (a, b) in enumerate(chunks[seg]):
+            incoming = receive("rs", s, ci, a, b)
+            if narrow:
+                out[a:b] += incoming.astype(out.dtype)
+            else:
+                out[a:b] += incoming
+            if last:  # segment finished here: round to the wire dtype so all ranks agree, then gather
+                if narrow:
+                    out[a:b] = out[a:b].astype(wdt)
+                transport.send(checker.header("ag", 0, ci), [encode(a, b)])
+            else:
+                transport.send(checker.header("rs", s + 1, ci), [encode(a, b)])
+    # All-gather: receive finished segments and pass them on.
+    for s in range(world - 1):
+        seg = (r - s) % world
+        for ci, (a, b) in enumerate(chunks[seg]):
+            incoming = receive("ag", s, ci, a, b)
+            out[a:b] = incoming
+            if s < world - 2:
+                transport.send(checker.header("ag", s + 1, ci), [incoming])
+    if checker.error:
+        raise RoundMismatchError(checker.error)
+    return out

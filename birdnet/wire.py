@@ -1,0 +1,104 @@
+"""The wire format, shared by peer links and the client socket.
+
+Every message is a ZeroMQ multipart message (a ROUTER socket prepends the sender's identity frame,
+which is not part of the format):
+
+=======  ==========================  ===============================================================
+frame    content                     checks on receipt (before anything is allocated or trusted)
+=======  ==========================  ===============================================================
+0        protocol id ``b"birdnet/1"``  exact match, else :class:`VersionMismatchError`
+1        header: a msgpack map        at most ``MAX_HEADER_BYTES``; str keys; ``nbuf`` and ``sizes``
+                                     present and consistent with the frames that follow
+2..      raw buffers (``nbuf``)       each frame's length equals ``sizes[i]``; the sum is at most
+                                     the socket's limit (also set as ZMQ_MAXMSGSIZE, so ZeroMQ
+                                     refuses oversized frames before allocating them)
+=======  ==========================  ===============================================================
+
+Buffers are sent without copying (``copy=False``) and received as zero-copy ``memoryview`` s.
+Header keys used by every message: ``t`` (message type). Everything else depends on ``t``; see
+birdnet.daemon.peers and birdnet.daemon.service for the types.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import msgpack
+
+from birdnet import PROTOCOL_VERSION
+from birdnet.errors import ProtocolError, VersionMismatchError
+
+PROTOCOL_ID = f"birdnet/{PROTOCOL_VERSION}".encode()
+MAX_HEADER_BYTES = 64 * 1024
+MAX_BUFFERS = 64
+
+
+def encode(header: dict[str, Any], buffers: Sequence[Any] = ()) -> list[Any]:
+    """Frames for ``header`` and ``buffers`` (buffers are passed through, not copied)."""
+    views = [memoryview(b).cast("B") if not isinstance(b, (bytes, memoryview)) else memoryview(b).cast("B")
+             for b in buffers]
+    h = dict(header)
+    h["nbuf"] = len(views)
+    h["sizes"] = [v.nbytes for v in views]
+    return [PROTOCOL_ID, msgpack.packb(h, use_bin_type=True), *views]
+
+
+def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], list[memoryview]]:
+    """Check and split received frames. Raises :class:`ProtocolError` (or its subclass
+    :class:`VersionMismatchError`) with a message saying what is wrong; never asserts."""
+    if len(frames) < 2:
+        raise ProtocolError(f"message has {len(frames)} frame(s); at least 2 (protocol id, header) expected")
+    pid = _bytes(frames[0])
+    if pid != PROTOCOL_ID:
+        if pid.startswith(b"birdnet/"):
+            raise VersionMismatchError(
+                f"peer speaks protocol {pid.decode(errors='replace')!r}, this daemon speaks "
+                f"{PROTOCOL_ID.decode()!r}; install the same birdnet version on every node")
+        raise ProtocolError(f"bad protocol id {pid[:16]!r}; not a birdnet message")
+    raw = _bytes(frames[1])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_buffer_size=MAX_HEADER_BYTES,
+                                 max_array_len=4096, max_map_len=256, max_str_len=MAX_HEADER_BYTES,
+                                 max_bin_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+        raise ProtocolError("header is not a map with string keys")
+    nbuf, sizes = header.get("nbuf"), header.get("sizes")
+    if not isinstance(nbuf, int) or not isinstance(sizes, list) or len(sizes) != nbuf:
+        raise ProtocolError("header lacks consistent 'nbuf' and 'sizes'")
+    if nbuf != len(frames) - 2 or nbuf > MAX_BUFFERS:
+        raise ProtocolError(f"header announces {nbuf} buffers, message has {len(frames) - 2}")
+    total = 0
+    bufs = []
+    for i, (size, frame) in enumerate(zip(sizes, frames[2:])):
+        if not isinstance(size, int) or size < 0:
+            raise ProtocolError(f"buffer {i} size {size!r} is not a non-negative integer")
+        total += size
+        if total > max_bytes:
+            raise ProtocolError(f"message of over {total} bytes exceeds the {max_bytes}-byte limit")
+        view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        if view.nbytes != size:
+            raise ProtocolError(f"buffer {i} has {view.nbytes} bytes, header says {size}")
+        bufs.append(view.cast("B") if view.format != "B" else view)
+    if not isinstance(header.get("t"), str):
+        raise ProtocolError("header has no message type 't'")
+    return header, bufs
+
+
+def _bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    if hasattr(frame, "bytes"):
+        return frame.bytes
+    return bytes(frame)
+
+
+def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str = "message") -> Any:
+    """``header[key]`` checked against ``kind``; a :class:`ProtocolError` names what is wrong."""
+    v = header.get(key)
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ProtocolError(f"{what}: field {key!r} is {type(v).__name__}, expected "
+                            f"{getattr(kind, '__name__', kind)}")
+    return v
