@@ -1,0 +1,201 @@
+"""Marsit: one sign bit per element through every hop of the ring (docs/marsit.md).
+
+What is the paper's (Wu et al., DAC 2022, arXiv 2204.06787, as known from its abstract and a
+reading note): the bitwise merge with a Bernoulli mask at hop position k, a global compensation
+of the compression deviation, and periodic full-precision "flushes" (Marsit-K). What is
+birdnet's design: the scale (one float per node per tensor, combined in rank order), the process
+count weighting, where the compensation and momentum live, the flush schedule from
+``ctx.tensor_round``, and the local-compensation and no-compensation variants.
+
+Per round, for this node (``w = ctx.local_count`` processes, ``x`` their summed gradient)::
+
+    g = x / w                                   # per-process units
+    u = momentum * u + g   (if momentum > 0)     # local momentum, kept in the daemon
+    p = (u or g) + c                             # c: compensation
+    flush round (every ``flush`` rounds): out = dense mean of p over processes; c = 0
+    otherwise:  sigma = scale rule of p;  bits = sign(p);  merged over the ring ->  s (+-1)
+                out = S * s,  S = sum_r counts[r] * sigma_r / W   (W = total processes)
+    compensation "global": c = p - out;  "local": c = p - sigma * sign(p);  "none": c stays 0
+
+The codec hands the ring the **sum** ``W * out`` (the daemon divides by ``total_count`` for a mean).
+The merge is unbiased for the (process-weighted) mean of the nodes' signs, not for the mean
+gradient; the compensation carries the difference into later rounds.
+
+Parameters (``defaults``; a research helper measures the best values, change them here):
+
+``compensation``  ``"global"`` | ``"local"`` | ``"none"``
+``flush``         K: every K-th round of a tensor (``tensor_round % K == K - 1``) is a dense
+                  all-reduce of p and resets c; 0 = never
+``momentum``      local momentum in the daemon (0 = off). With momentum > 0 the training code
+                  should apply the result with plain SGD (marsit.md section 3)
+``scale``         ``"mean_abs"`` (mean |p|) | ``"rms"`` (sqrt(mean p^2)) | ``"mean_abs_grad"``
+                  (mean |g|, the raw gradient) | ``"fixed"`` (``step``, the paper's global step)
+``step``          the fixed scale for ``scale="fixed"``
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import numpy as np
+
+from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
+from birdnet.errors import CodecError, ProtocolError
+from birdnet.kernels import signbits as sb
+
+_COMPENSATIONS = ("global", "local", "none")
+_SCALES = ("mean_abs", "rms", "mean_abs_grad", "fixed")
+
+
+class SignRingCodec(Codec):
+    """What Marsit and the cascading-sign baseline share: state, momentum, compensation, flushes,
+    scales, and the hooks :func:`birdnet.ring.merge.merged_allreduce` calls. Subclasses supply
+    :meth:`merge_hop`, :meth:`segment_meta` and :meth:`decompress`."""
+
+    pattern: ClassVar[Pattern] = Pattern.MERGED
+
+    # -- configuration -------------------------------------------------------------------------
+    def validate(self, params: dict[str, Any]) -> dict[str, Any]:
+        out = dict(params)
+        comp = out.get("compensation")
+        if comp not in _COMPENSATIONS:
+            raise CodecError(f"{self.name}: compensation={comp!r}; choose one of {', '.join(_COMPENSATIONS)}")
+        k = out.get("flush")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise CodecError(f"{self.name}: flush={k!r} must be an integer >= 0 (rounds between flushes, "
+                             f"0 = never)")
+        mu = out.get("momentum")
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0.0 <= float(mu) < 1.0:
+            raise CodecError(f"{self.name}: momentum={mu!r} must be a number in [0, 1)")
+        out["momentum"] = float(mu)
+        if "scale" in out:
+            if out["scale"] not in _SCALES:
+                raise CodecError(f"{self.name}: scale={out['scale']!r}; choose one of {', '.join(_SCALES)}")
+            st = out.get("step")
+            if isinstance(st, bool) or not isinstance(st, (int, float)) or not (math.isfinite(st) and st > 0):
+                raise CodecError(f"{self.name}: step={st!r} must be a positive finite number")
+            out["step"] = float(st)
+        return out
+
+    # -- state ---------------------------------------------------------------------------------
+    def new_state(self, n: int) -> dict[str, Any]:
+        """``c`` (compensation), ``p`` (this round's compensated vector), ``u`` (momentum)."""
+        st: dict[str, Any] = {"c": np.zeros(n, np.float32), "p": np.zeros(n, np.float32), "sigma": 0.0}
+        if self.params["momentum"] > 0:
+            st["u"] = np.zeros(n, np.float32)
+        return st
+
+    def _state(self, state: Any, n: int, ctx: RoundContext) -> dict[str, Any]:
+        if state is None:
+            return self.new_state(n)
+        if not isinstance(state, dict) or not isinstance(state.get("c"), np.ndarray) or state["c"].shape != (n,):
+            raise CodecError(f"{self.name}: state of tensor {ctx.name!r} does not fit {n} elements; "
+                             f"reset the state (client.reset_state()) after changing a tensor's shape")
+        if self.params["momentum"] > 0 and "u" not in state:
+            state["u"] = np.zeros(n, np.float32)
+        return state
+
+    # -- the round -----------------------------------------------------------------------------
+    def is_flush_round(self, ctx: RoundContext) -> bool:
+        """Every node decides the same from ``ctx.tensor_round`` (rounds since the last reset)."""
+        k = self.params["flush"]
+        return k > 0 and ctx.tensor_round % k == k - 1
+
+    def prepare(self, x: np.ndarray, ctx: RoundContext, state: Any) -> np.ndarray:
+        """``p = g + c`` (or ``u + c`` with momentum) into ``state["p"]``; returns it."""
+        n = int(x.shape[0])
+        st = self._state(state, n, ctx)
+        inv_w = 1.0 / max(1, int(ctx.local_count))
+        sb.prepare_p(np.ascontiguousarray(x, np.float32), inv_w, st["c"], st["p"], self.params["momentum"],
+                     st.get("u"))
+        return st["p"]
+
+    def local_scale(self, x: np.ndarray, p: np.ndarray, ctx: RoundContext) -> float:
+        """This node's per-process scale sigma by the ``scale`` rule."""
+        n = p.shape[0]
+        rule = self.params.get("scale", "mean_abs")
+        if rule == "fixed":
+            return self.params["step"]
+        if n == 0:
+            return 0.0
+        if rule == "mean_abs":
+            return sb.abs_sum(p) / n
+        if rule == "rms":
+            return math.sqrt(sb.sq_sum(p) / n)
+        return sb.abs_sum(np.ascontiguousarray(x, np.float32)) / n / max(1, int(ctx.local_count))
+
+    def compress(self, x: np.ndarray, ctx: RoundContext, state: Any) -> Payload:
+        """Sign bits of p (``ceil(n/8)`` bytes, birdnet.kernels.signbits order) and sigma."""
+        if x.ndim != 1:
+            x = x.reshape(-1)
+        p = self.prepare(x, ctx, state)
+        sigma = float(self.local_scale(x, p, ctx))
+        if state is not None:
+            state["sigma"] = sigma
+        bits = sb.pack_signs(p)
+        return Payload(header={"scale": sigma, "weight": int(ctx.local_count), "n": int(p.shape[0])},
+                       buffers=[bits])
+
+    def after_round(self, state: Any, result_sum: np.ndarray, ctx: RoundContext) -> None:
+        """Update the compensation from this round's dense sum."""
+        if state is None:
+            return
+        comp = self.params["compensation"]
+        p, c = state["p"], state["c"]
+        if comp == "global":
+            sb.sub_scaled(p, np.ascontiguousarray(result_sum, np.float32), 1.0 / max(1, int(ctx.total_count)), c)
+        elif comp == "local":
+            sb.sub_signs(p, state["sigma"], c)
+
+    def after_flush(self, state: Any, total: np.ndarray, ctx: RoundContext) -> None:
+        """A flush round sent p at full precision: nothing is left to compensate."""
+        if state is not None:
+            state["c"][:] = 0.0
+
+    # -- ring hooks (overridden by subclasses) ---------------------------------------------------
+    def segment_meta(self, state: Any, lo: int, hi: int, ctx: RoundContext) -> dict[str, float]:
+        """Floats that travel with a segment operand from its first node."""
+        return {}
+
+    def merge_hop(self, a: np.ndarray, meta_a: dict[str, float], b: np.ndarray, state: Any, lo: int,
+                  hi: int, w_a: int, w_b: int, seed: int, ctx: RoundContext
+                  ) -> tuple[np.ndarray, dict[str, float]]:
+        raise NotImplementedError
+
+
+class MarsitCodec(SignRingCodec):
+    """Marsit: unbiased bitwise merge of sign bits at every hop, global compensation, flushes."""
+
+    name: ClassVar[str] = "marsit"
+    defaults: ClassVar[dict[str, Any]] = {
+        "compensation": "global",
+        "flush": 100,
+        "momentum": 0.0,
+        "scale": "mean_abs",
+        "step": 0.01,
+    }
+
+    def merge_hop(self, a, meta_a, b, state, lo, hi, w_a, w_b, seed, ctx):
+        """keep the received bit with probability w_a / (w_a + w_b), else the local one."""
+        out = np.empty(b.shape[0], np.uint8)
+        sb.merge_signbits(a, b, out, w_a, w_b, seed)
+        return out, {}
+
+    def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any) -> None:
+        """The dense sum ``v * s``: ``v = sum_r counts[r] * scale_r`` (rank order, float64, rounded
+        once to float32) for a merged payload; ``local_count * scale`` for a single node's."""
+        n = out.shape[0]
+        bits = payload.buffers[0]
+        if bits.dtype != np.uint8 or bits.shape[0] != sb.nbytes_for(n):
+            raise ProtocolError(f"{self.name}: {bits.shape[0]} bytes of bits for {n} elements")
+        h = payload.header
+        if "scales" in h:
+            counts = tuple(ctx.counts) if ctx.counts else (1,) * len(h["scales"])
+            if len(counts) != len(h["scales"]):
+                raise ProtocolError(f"{self.name}: {len(h['scales'])} scales for {len(counts)} nodes")
+            v = 0.0
+            for cnt, sc in zip(counts, h["scales"]):
+                v += float(cnt) * float(sc)
+        else:
+            v = float(h.get("weight", 1)) * float(h["scale"])
+        sb.unpack_signs(np.ascontiguousarray(bits), v, out)

@@ -1,0 +1,199 @@
+"""Marsit's merged ring pattern: bits are merged hop by hop in the reduce-scatter and forwarded
+unchanged in the all-gather (docs/marsit.md; shared/papers/marsit.md section 2).
+
+Schedule (the standard ring, as in birdnet.ring.dense): the ``ceil(n/8)`` bytes of sign bits are cut
+into ``world`` segments whose element boundaries are multiples of 8 (``segment_bounds(n, world,
+align=8)``: as equal as possible, the last takes the rest, some may be empty when n is small). In
+reduce-scatter step s (0..world-2) rank r sends segment (r-s) mod world to rank r+1 and receives
+segment j = (r-s-1) mod world, whose operand stands for ranks j, j+1, .., j+s (``W_a`` processes,
+the sum of their counts); rank r is position k = s+2 on j's path and merges with its own operand
+(``W_b = counts[r]``) through ``codec.merge_hop`` (Marsit: keep the received bit with probability
+``W_a / (W_a + W_b)``, which is (k-1)/k for equal counts). After world-1 steps rank r owns the
+finished segment (r+1) mod world; the all-gather forwards finished segments as received.
+
+Messages (``t = "data"``; one buffer of exactly ``ceil(L/8)`` bytes for a segment of L elements,
+at every hop; nothing grows with the hop count):
+
+==========  ====================================================================================
+key         meaning
+==========  ====================================================================================
+``p``       ``"mrs"`` (merge reduce-scatter) or ``"mag"`` (merge all-gather)
+``s``       step, 0..world-2
+``seg``     segment index
+``codec``   codec name (must agree)
+``n``       tensor length (must agree)
+``w``       ``mrs`` only: processes the operand stands for (checked against ``ctx.counts``)
+``src``     ``mrs`` only: rank whose scale rides along (the scale of rank (r-s) mod world is sent in
+            step s, so after world-1 steps every rank has every rank's scale: one float per node)
+``scale``   ``mrs`` only: that rank's scale (float64)
+``meta``    the segment operand's small map of floats (Marsit: empty; signcascade: its scale)
+``err``     set once a node saw a disagreement; the schedule still completes (nobody hangs) and
+            every node raises :class:`~birdnet.errors.RoundMismatchError` at the end
+==========  ====================================================================================
+
+Out-of-order steps or segments, wrong buffer sizes and malformed fields raise
+:class:`~birdnet.errors.ProtocolError` immediately (never ``assert`` on network input).
+
+Result: the dense float32 **sum** (``codec.decompress``); for Marsit ``v * s`` with ``s`` the
+merged +-1 vector and ``v = sum_r counts[r] * scale[r]`` accumulated in rank order in float64 and
+rounded once to float32, so every node computes the identical array (the daemon divides by
+``ctx.total_count`` for a mean: ``mean_scale * s``). Flush rounds (``codec.is_flush_round``) are a
+full-precision :func:`~birdnet.ring.dense.ring_allreduce` of ``counts[r] * p`` instead.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from birdnet.codecs.base import Payload, RoundContext
+from birdnet.errors import InputError, ProtocolError, RoundMismatchError
+from birdnet.kernels.signbits import nbytes_for
+from birdnet.ring.dense import ring_allreduce, segment_bounds
+from birdnet.ring.transport import Transport
+
+__all__ = ["merged_allreduce", "merge_bounds"]
+
+
+def merge_bounds(n: int, world: int) -> list[int]:
+    """Element boundaries of the ``world`` bit segments (multiples of 8 except the final ``n``)."""
+    return segment_bounds(int(n), int(world), align=8)
+
+
+def _counts(ctx: RoundContext, world: int) -> tuple[int, ...]:
+    counts = tuple(ctx.counts) if ctx.counts else (1,) * world
+    if len(counts) != world or any((not isinstance(c, int)) or c < 1 for c in counts):
+        raise InputError(f"tensor {ctx.name!r} round {ctx.round_id}: counts {counts!r} must be "
+                         f"{world} positive integers (one per node, in rank order)")
+    return counts
+
+
+def _check_meta(meta: Any, where: str) -> dict[str, float]:
+    if not isinstance(meta, dict) or len(meta) > 8:
+        raise ProtocolError(f"{where}: 'meta' is not a small map")
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, float):
+            raise ProtocolError(f"{where}: 'meta' entry {k!r} = {v!r} is not a float")
+    return meta
+
+
+def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: RoundContext, state: Any, *,
+                     timeout: float) -> np.ndarray:
+    """All-reduce ``x`` (this node's contribution: float32, the sum of its local processes'
+    gradients) with a MERGED codec; returns the dense float32 sum, bit-identical on every node.
+
+    ``timeout`` is the longest wait for any one message from the left neighbour. ``state`` is the
+    codec's per-(job, tensor) state (compensation, momentum), updated in place.
+    """
+    if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype != np.float32:
+        raise InputError(f"tensor {ctx.name!r}: merged all-reduce takes a 1-D float32 vector, got "
+                         f"{getattr(x, 'dtype', type(x))} of shape {getattr(x, 'shape', '?')}")
+    x = np.ascontiguousarray(x)
+    r, world = transport.rank, transport.world
+    if ctx.rank != r or ctx.world != world:
+        raise InputError(f"tensor {ctx.name!r}: context says rank {ctx.rank} of {ctx.world}, transport "
+                         f"is rank {r} of {world}")
+    counts = _counts(ctx, world)
+    n = int(x.shape[0])
+    if state is None:  # no memory kept between rounds (e.g. a one-off call)
+        state = codec.new_state(n)
+
+    if codec.is_flush_round(ctx):
+        p = codec.prepare(x, ctx, state)
+        contrib = p * np.float32(counts[r]) if counts[r] != 1 else p.copy()
+        total = ring_allreduce(transport, contrib, timeout=timeout, inplace=True,
+                               tag={"codec": codec.name, "n": n, "flush": True})
+        codec.after_flush(state, total, ctx)
+        return total
+
+    payload = codec.compress(x, ctx, state)
+    own_bits = payload.buffers[0]
+    own_scale = float(payload.header["scale"])
+    bounds = merge_bounds(n, world)
+    bb = [nbytes_for(b) for b in bounds]  # byte boundaries (bounds are multiples of 8 but the last)
+
+    seg_bits: list[Any] = [None] * world
+    seg_meta: list[dict[str, float]] = [{} for _ in range(world)]
+    seg_bits[r] = own_bits[bb[r]:bb[r + 1]]
+    seg_meta[r] = codec.segment_meta(state, bounds[r], bounds[r + 1], ctx)
+    scales: list[float | None] = [None] * world
+    scales[r] = own_scale
+    error: str | None = None
+    left = (r - 1) % world
+
+    def weight(first: int, hops: int) -> int:
+        return sum(counts[(first + i) % world] for i in range(hops))
+
+    def receive(phase: str, step: int, seg: int) -> tuple[dict[str, Any], np.ndarray | None]:
+        nonlocal error
+        header, bufs = transport.recv(time.monotonic() + timeout)
+        where = (f"tensor {ctx.name!r} round {ctx.round_id}: {phase} step {step} from rank {left} "
+                 f"to rank {r}")
+        if not isinstance(header, dict) or header.get("p") != phase or header.get("s") != step \
+                or header.get("seg") != seg:
+            got = (header.get("p"), header.get("s"), header.get("seg")) if isinstance(header, dict) else header
+            raise ProtocolError(f"{where}: ring out of step: expected ({phase!r}, {step}, segment {seg}), "
+                                f"got {got!r}")
+        if header.get("err") and error is None:
+            error = str(header["err"])
+        if header.get("codec") != codec.name or header.get("n") != n:
+            if error is None:
+                error = (f"{where}: nodes disagree: rank {left} has codec {header.get('codec')!r} "
+                         f"n={header.get('n')!r}, rank {r} has codec {codec.name!r} n={n}")
+            return header, None
+        want = bb[seg + 1] - bb[seg]
+        if len(bufs) != 1 or bufs[0].nbytes != want:
+            raise ProtocolError(f"{where}: segment {seg} must be one buffer of {want} bytes, got "
+                                f"{[b.nbytes for b in bufs]}")
+        header["meta"] = _check_meta(header.get("meta"), where)
+        return header, np.frombuffer(bufs[0], dtype=np.uint8)
+
+    def send(h: dict[str, Any], buf: Any) -> None:
+        h.update({"t": "data", "codec": codec.name, "n": n})
+        if error:
+            h["err"] = error
+        transport.send(h, [buf])
+
+    # Reduce-scatter: merge bits hop by hop.
+    for s in range(world - 1):
+        sj = (r - s) % world
+        src = sj  # the scale of rank (r-s) rides along in step s
+        send({"p": "mrs", "s": s, "seg": sj, "w": weight(sj, s + 1), "src": src, "scale": scales[src],
+              "meta": seg_meta[sj]}, seg_bits[sj])
+        j = (r - s - 1) % world
+        h, a = receive("mrs", s, j)
+        if a is None:
+            continue  # disagreement recorded; keep the schedule going with our own operand
+        w_a = weight(j, s + 1)
+        if h.get("w") != w_a or h.get("src") != j or not isinstance(h.get("scale"), float):
+            if error is None:
+                error = (f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent segment {j} "
+                         f"standing for w={h.get('w')!r} with the scale of rank {h.get('src')!r}, "
+                         f"rank {r} expects w={w_a} and rank {j} (counts {counts})")
+            continue
+        scales[j] = float(h["scale"])
+        lo, hi = bounds[j], bounds[j + 1]
+        seg_bits[j], seg_meta[j] = codec.merge_hop(a, h["meta"], own_bits[bb[j]:bb[j + 1]], state, lo, hi,
+                                                   w_a, counts[r], ctx.local_seed + s, ctx)
+
+    # All-gather: forward finished segments unchanged.
+    for s in range(world - 1):
+        sj = (r + 1 - s) % world
+        send({"p": "mag", "s": s, "seg": sj, "meta": seg_meta[sj]}, seg_bits[sj])
+        j = (r - s) % world
+        h, a = receive("mag", s, j)
+        if a is not None:
+            seg_bits[j], seg_meta[j] = a, h["meta"]
+    if error:
+        raise RoundMismatchError(error)
+    if any(sc is None for sc in scales):
+        raise ProtocolError(f"tensor {ctx.name!r} round {ctx.round_id}: missing scales {scales!r}")
+
+    bits = np.concatenate([np.asarray(b, dtype=np.uint8) for b in seg_bits]) if world > 1 else \
+        np.ascontiguousarray(seg_bits[0])
+    merged = Payload(header={"scales": scales, "metas": seg_meta, "bounds": bounds}, buffers=[bits])
+    out = np.empty(n, np.float32)
+    codec.decompress(merged, out, ctx, state)
+    codec.after_round(state, out, ctx)
+    return out
