@@ -201,13 +201,15 @@ def _systematic(p, k, u, out):
         total += p[i]
     if total <= 0.0:
         return 0
+    if k < 0.0:  # natural walk: no rescaling, floor(total) or ceil(total) blocks
+        k = total
     f = k / total
     c = 0.0
     last = -1.0  # floor(0 - u) for u in [0, 1)
     j = 0
     for i in range(m):
         c += p[i]
-        cs = k if i == m - 1 else c * f
+        cs = k if i == m - 1 else (c * f if f != 1.0 else c)
         fl = math.floor(cs - u)
         if fl > last:
             if p[i] > 0.0:
@@ -228,11 +230,11 @@ def _bernoulli(p, seed, out):
     return j
 
 
-@njit("void(float32[::1], uint64, int64, float64[::1])", cache=True)
+@njit("void(float64[::1], uint64, int64, float64[::1])", cache=True)
 def _sample_norms(a, seed, s, out):
     m = a.shape[0]
     for j in range(s):
-        out[j] = np.float64(a[min(m - 1, np.int64(uniform(seed, j) * m))])
+        out[j] = a[min(m - 1, np.int64(uniform(seed, j) * m))]
 
 
 # -- gather / scatter / clear (O(kept blocks)) ----------------------------------------------------
@@ -344,7 +346,7 @@ def bernoulli(p: np.ndarray, seed: int) -> np.ndarray:
 
 
 def sample_norms(a: np.ndarray, seed: int, s: int) -> np.ndarray:
-    _check(a, np.float32, "sample_norms a")
+    _check(a, np.float64, "sample_norms a")
     out = np.empty(s, np.float64)
     if s and a.shape[0]:
         _sample_norms(a, as_seed(seed), np.int64(s), out)
@@ -387,3 +389,43 @@ def _check(x: np.ndarray, dtype, what: str, length: int | None = None) -> None:
                         f"{getattr(x, 'dtype', type(x))} {getattr(x, 'shape', '')}")
     if length is not None and x.shape[0] != length:
         raise ValueError(f"{what} must have {length} elements, has {x.shape[0]}")
+
+
+@njit("void(float32[::1], float32[::1])", cache=True)
+def _importance(imp, out):
+    # shared mode: blocks never observed (imp < 0) count as the mean of the observed ones
+    # (1 when none is observed yet: uniform). Sequential float64 sum: identical on every node.
+    s = 0.0
+    c = 0
+    for i in range(imp.shape[0]):
+        if imp[i] >= 0.0:
+            s += np.float64(imp[i])
+            c += 1
+    fill = np.float32(s / c) if c > 0 else np.float32(1.0)
+    if c > 0 and not (fill > 0.0):
+        fill = np.float32(1.0)
+    for i in range(imp.shape[0]):
+        out[i] = imp[i] if imp[i] >= 0.0 else fill
+
+
+def importance(imp: np.ndarray) -> np.ndarray:
+    _check(imp, np.float32, "importance imp")
+    out = np.empty(imp.shape[0], np.float32)
+    _importance(imp, out)
+    return out
+
+
+def probabilities_for(w: np.ndarray, a: float) -> np.ndarray:
+    """p_i = min(1, a*w_i) for a given scale a (BIRD: a = 1/tau from the sample)."""
+    _check(w, np.float64, "probabilities_for w")
+    p = np.empty(w.shape[0], np.float64)
+    _probabilities(w, float(a), p)
+    return p
+
+
+def systematic_natural(p: np.ndarray, u: float) -> np.ndarray:
+    """Systematic sampling without rescaling the total: floor(S) or ceil(S) blocks for S = sum p."""
+    _check(p, np.float64, "systematic p")
+    out = np.empty(p.shape[0], np.int64)
+    j = _systematic(p, -1.0, float(u), out)
+    return out[:j]
