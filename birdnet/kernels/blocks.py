@@ -205,7 +205,7 @@ def _systematic(p, k, u, out):
         k = total
     f = k / total
     c = 0.0
-    last = -1.0  # floor(0 - u) for u in [0, 1)
+    last = math.floor(-u)  # C_{-1} = 0
     j = 0
     for i in range(m):
         c += p[i]
