@@ -58,7 +58,7 @@ def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], li
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_buffer_size=MAX_HEADER_BYTES,
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True,
                                  max_array_len=4096, max_map_len=256, max_str_len=MAX_HEADER_BYTES,
                                  max_bin_len=MAX_HEADER_BYTES)
     except Exception as exc:  # msgpack raises several types on garbage

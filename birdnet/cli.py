@@ -1,0 +1,86 @@
+"""``birdnet``: operator commands (status, demo, bench, keygen, codecs)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from birdnet.client import Client
+    from birdnet.errors import BirdnetError
+    try:
+        with Client(socket=args.socket, job="__status__", connect_timeout=args.timeout) as c:
+            st = c.status()
+    except BirdnetError as exc:
+        print(f"birdnet status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    print(f"birdnetd {st['version']}  rank {st['rank']} of {st['world']}  cluster {st['cluster']}  "
+          f"default codec {st['codec']}  socket {st['socket']}")
+    print("peers:")
+    for p in st["peers"]:
+        extra = f"  ({p['reason']})" if p.get("reason") else ""
+        print(f"  rank {p['rank']:>3}  {p['address']:<28} {p['state']}{extra}")
+    jobs = {k: v for k, v in st["jobs"].items() if k != "__status__"}
+    print("jobs:" if jobs else "jobs: none")
+    for name, j in jobs.items():
+        pids = ", ".join(f"local rank {p['local_rank']} pid {p['pid']}" for p in j["processes"])
+        print(f"  {name}: {pids}")
+    print(f"rounds done {st['rounds_done']}, failed {st['rounds_failed']}, last round {st['last_round_seconds']:.4f} s")
+    print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
+    return 0
+
+
+def cmd_codecs(args: argparse.Namespace) -> int:
+    from birdnet.codecs import codec_class, names
+    for n in names():
+        try:
+            cls = codec_class(n)
+            print(f"{n:<12} {cls.pattern.value if hasattr(cls.pattern, 'value') else cls.pattern:<9} "
+                  f"{', '.join(f'{k}={v!r}' for k, v in cls.defaults.items())}")
+        except Exception as exc:  # noqa: BLE001
+            print(f"{n:<12} (unavailable: {exc})")
+    return 0
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="birdnet", description="birdnet operator commands")
+    from birdnet import __version__
+    p.add_argument("--version", action="version", version=f"birdnet {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("status", help="state of the local daemon: peers, jobs, rounds, bytes")
+    s.add_argument("--socket", help="the daemon's socket (default as for the client)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the daemon")
+    s.set_defaults(fn=cmd_status)
+    c = sub.add_parser("codecs", help="list the codecs and their default parameters")
+    c.set_defaults(fn=cmd_codecs)
+    sub.add_parser("demo", help="start a local cluster and train a small model through it", add_help=False)
+    sub.add_parser("bench", help="benchmarks: allreduce, codecs, train", add_help=False)
+    sub.add_parser("keygen", help="make a CURVE key pair for peer authentication", add_help=False)
+    if argv and argv[0] in ("demo", "bench", "keygen"):
+        rest = argv[1:]
+        if argv[0] == "demo":
+            return _delegate("birdnet.demo", rest)
+        if argv[0] == "keygen":
+            return _delegate("birdnet.daemon.security", rest)
+        if not rest or rest[0] not in ("allreduce", "codecs", "train"):
+            print("usage: birdnet bench {allreduce,codecs,train} [options]", file=sys.stderr)
+            return 2
+        return _delegate(f"birdnet.bench.{rest[0]}", rest[1:])
+    args = p.parse_args(argv)
+    return int(args.fn(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""The ring worker: the one thread that owns the peer sockets and runs rounds, one at a time.
+
+Rounds reach it from the service thread once every local process of the job has submitted
+(:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0): it sends a
+``start`` naming the round; each node appends its description once its own processes are ready and
+passes it on; when the start is back, the leader compares the descriptions and sends ``go`` with its
+verdict. Every node therefore runs the same rounds in the same order, and a disagreement (shape,
+codec, a process that never came) fails the round everywhere with one message instead of hanging.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
+from birdnet.codecs.base import pack_buffers
+from birdnet.config import Settings
+from birdnet.errors import (BirdnetError, CodecError, InputError, PeerLostError, RoundMismatchError,
+                            RoundTimeoutError, ShutdownError, StateLimitError)
+from birdnet.ring.dense import ring_allreduce
+from birdnet.ring.gather import ring_allgather
+from birdnet.ring.transport import MemoryRing
+
+log = logging.getLogger("birdnet.engine")
+
+#: fields of a round description that must agree on every node
+AGREED = ("kind", "name", "shape", "dtype", "op", "codec", "root")
+
+
+@dataclasses.dataclass
+class Contribution:
+    session: bytes
+    call: int  #: the client's call id, echoed in the reply
+    array: np.ndarray  #: view into the process's shared memory: input, then result
+    local_index: int
+    global_rank: int
+
+
+@dataclasses.dataclass
+class LocalRound:
+    job: str
+    seq: int
+    kind: str  #: allreduce | broadcast | barrier | reset
+    desc: dict[str, Any]
+    parts: list[Contribution]
+    codec_params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: BirdnetError | None = None
+    ready_at: float = dataclasses.field(default_factory=time.monotonic)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: (session, call id, slot) of every local process, for the replies
+    callers: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.job}/{self.seq}"
+
+
+class StateStore:
+    """Codec state per (job, tensor name), with a memory cap (``state_limit_bytes``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        #: (job, name) -> [codec key, state, rounds since reset, bytes]
+        self.states: dict[tuple[str, str], list[Any]] = {}
+
+    def get(self, job: str, name: str, codec, n: int) -> tuple[Any, int]:
+        """The state for this tensor (new if the codec or size changed) and its round count."""
+        key = (job, name)
+        ckey = f"{sorted(codec.describe().items())!r}/{n}"
+        cur = self.states.get(key)
+        if cur is not None and cur[0] == ckey:
+            return cur[1], cur[2]
+        state = codec.new_state(n)
+        nb = codec.state_nbytes(state)
+        total = self.total_bytes() - (cur[3] if cur else 0) + nb
+        if total > self.limit:
+            raise StateLimitError(
+                f"codec state for tensor {name!r} of job {job!r} ({nb} bytes) would bring this daemon's codec "
+                f"state to {total} bytes, over state_limit_bytes={self.limit}; call client.reset_state() "
+                "or raise the limit")
+        self.states[key] = [ckey, state, 0, nb]
+        return state, 0
+
+    def advance(self, job: str, name: str) -> None:
+        if (job, name) in self.states:
+            self.states[(job, name)][2] += 1
+
+    def reset(self, job: str) -> int:
+        keys = [k for k in self.states if k[0] == job]
+        for k in keys:
+            del self.states[k]
+        return len(keys)
+
+    def total_bytes(self) -> int:
+        return sum(v[3] for v in self.states.values())
+
+
+def describe_difference(descs: list[tuple[int, dict[str, Any]]]) -> str | None:
+    """None when all descriptions agree; else a message naming the tensor, ranks and fields."""
+    errors = [f"rank {r}: {d['error']}" for r, d in descs if d.get("error")]
+    if errors:
+        return "; ".join(errors)
+    r0, d0 = descs[0]
+    diffs = []
+    for r, d in descs[1:]:
+        for f in AGREED:
+            if d.get(f) != d0.get(f):
+                diffs.append(f"{f} is {d0.get(f)!r} on node rank {r0} but {d.get(f)!r} on node rank {r}")
+    if not diffs:
+        return None
+    return f"round for tensor {d0.get('name')!r} does not match across nodes: " + "; ".join(diffs)
+
+
+def seed_for(cluster_seed: int, job: str, seq: int, name: str) -> int:
+    import hashlib
+    h = hashlib.blake2b(f"{cluster_seed}/{job}/{seq}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class RoundRunner:
+    """Executes the data phase of one round on this node, given a transport. Used by the ring
+    worker with the ZeroMQ transport and by tests with :class:`MemoryRing`."""
+
+    def __init__(self, settings: Settings, states: StateStore) -> None:
+        self.settings, self.states = settings, states
+
+    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int]) -> None:
+        t0 = time.perf_counter()
+        total = sum(counts)
+        st = rnd.stats
+        st.update(count=total, codec="none", compress_seconds=0.0, bytes_sent=0, bytes_received=0)
+        if rnd.kind == "reset":
+            st["states_dropped"] = self.states.reset(rnd.job)
+            return
+        if rnd.kind == "barrier":
+            return
+        d = rnd.desc
+        dtype = np.dtype(d["dtype"])
+        n = int(np.prod(d["shape"])) if d["shape"] else 1
+        work_dtype = np.dtype(np.float32) if dtype == np.float16 else dtype
+        parts = sorted(rnd.parts, key=lambda p: p.local_index)
+        # Local reduction, in local-rank order (a fixed order keeps nodes identical run to run).
+        if rnd.kind == "broadcast":
+            root = [p for p in parts if p.global_rank == d["root"]]
+            x = root[0].array.reshape(-1).astype(work_dtype) if root else np.zeros(n, work_dtype)
+        elif len(parts) == 1 and work_dtype == dtype:
+            x = parts[0].array.reshape(-1)  # in place in the process's shared memory: no copy
+        else:
+            x = parts[0].array.reshape(-1).astype(work_dtype)
+            for p in parts[1:]:
+                x += p.array.reshape(-1)
+        codec_name = d["codec"]["codec"] if isinstance(d.get("codec"), dict) else "none"
+        before_s, before_r = transport.bytes_sent, transport.bytes_received
+        if codec_name == "none" or rnd.kind == "broadcast":
+            out = ring_allreduce(transport, x, timeout=self.settings.peer_timeout,
+                                 chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key})
+        else:
+            out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts)
+        st["bytes_sent"] = transport.bytes_sent - before_s
+        st["bytes_received"] = transport.bytes_received - before_r
+        st["codec"] = codec_name
+        dense = 2 * (world - 1) / world * n * dtype.itemsize if world > 1 else 0
+        st["ratio"] = (dense / st["bytes_sent"]) if st["bytes_sent"] else (1.0 if dense == 0 else float("inf"))
+        if d["op"] == "mean" and rnd.kind == "allreduce":
+            # one division by the processes that really contributed, the same IEEE op on every node
+            np.divide(out, out.dtype.type(total), out=out)
+        for p in parts:
+            dst = p.array.reshape(-1)
+            if dst.size and not np.shares_memory(dst, out):
+                np.copyto(dst, out, casting="unsafe")
+        st["seconds"] = time.perf_counter() - t0
+
+    def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
+                   counts: list[int]) -> np.ndarray:
+        d = rnd.desc
+        params = {k: v for k, v in d["codec"].items() if k != "codec"}
+        codec = get_codec(d["codec"]["codec"], **params)
+        state, tensor_round = self.states.get(rnd.job, d["name"], codec, x.size)
+        ctx = RoundContext(job=rnd.job, name=d["name"], shape=tuple(d["shape"]), round_id=rnd.seq,
+                           rank=rank, world=world,
+                           seed=seed_for(self.settings.cluster_seed, rnd.job, rnd.seq, d["name"]),
+                           local_count=counts[rank], total_count=sum(counts), tensor_round=tensor_round,
+                           counts=tuple(counts))
+        timeout = self.settings.peer_timeout
+        tc = time.perf_counter()
+        n = x.size
+        if codec.pattern == Pattern.SUMMABLE:
+            payload = codec.compress(x, ctx, state)
+            comp = time.perf_counter() - tc
+            values = np.ascontiguousarray(payload.values, dtype=np.float32)
+            tag = {"key": rnd.key, "len": int(values.size), "digest": payload.header.get("digest")}
+            summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
+                                    wire_dtype=codec.wire_dtype, tag=tag)
+            tc = time.perf_counter()
+            out = np.empty(n, np.float32)
+            codec.decompress(Payload(header=payload.header, values=summed), out, ctx, state)
+        elif codec.pattern == Pattern.GATHERED:
+            payload = codec.compress(x, ctx, state)
+            comp = time.perf_counter() - tc
+            header, bufs = pack_buffers(payload)
+            got = ring_allgather(transport, header, bufs, timeout=timeout, tag={"key": rnd.key})
+            tc = time.perf_counter()
+            out = np.zeros(n, np.float32)
+            for r in range(world):  # rank order: the same sum, bit for bit, on every node
+                h, b = got[r]
+                views = [memoryview(np.ascontiguousarray(a)).cast("B") if isinstance(a, np.ndarray) else a for a in b]
+                codec.decompress_add(codec.payload_from_wire(h, views), out, ctx)
+        elif codec.pattern == Pattern.MERGED:
+            from birdnet.ring.merge import merged_allreduce
+            comp = 0.0
+            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout)
+        else:  # pragma: no cover - a codec declaring something else is a programming error
+            raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
+        codec.after_round(state, out, ctx)
+        self.states.advance(rnd.job, d["name"])
+        rnd.stats["compress_seconds"] = comp + (time.perf_counter() - tc)
+        rnd.stats["state_bytes"] = self.states.total_bytes()
+        return out
+
+
+class RingWorker(threading.Thread):
+    """Owns the :class:`~birdnet.daemon.peers.PeerNet` (or runs alone in a one-node ring)."""
+
+    def __init__(self, settings: Settings, rank: int, world: int, net, runner: RoundRunner,
+                 done: Callable[[LocalRound], None]) -> None:
+        super().__init__(name="birdnet-ring", daemon=True)
+        self.settings, self.rank, self.world, self.net = settings, rank, world, net
+        self.runner, self.done = runner, done
+        self.inbox: queue.Queue[LocalRound | None] = queue.Queue()
+        self.ready: dict[str, LocalRound] = {}
+        self.order: list[str] = []
+        self.stopping = False
+        self.rounds_done = 0
+        self.rounds_failed = 0
+        self.last_round_seconds = 0.0
+        self.pending_start: dict | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def submit(self, rnd: LocalRound) -> None:
+        self.inbox.put(rnd)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.inbox.put(None)
+
+    def _take_inbox(self, timeout: float = 0.0) -> None:
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                self.ready[item.key] = item
+                self.order.append(item.key)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
+        self.ready.pop(rnd.key, None)
+        if rnd.key in self.order:
+            self.order.remove(rnd.key)
+        if error is not None:
+            rnd.error = error
+            self.rounds_failed += 1
+            log.warning("round %s failed: %s", rnd.key, error)
+        else:
+            self.rounds_done += 1
+            self.last_round_seconds = rnd.stats.get("seconds", 0.0)
+        self.done(rnd)
+
+    def _own_desc(self, rnd: LocalRound) -> dict[str, Any]:
+        d = dict(rnd.desc)
+        d["count"] = len(rnd.parts)
+        if rnd.error is not None:
+            d["error"] = str(rnd.error)
+        return d
+
+    # -- main loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            if self.world == 1:
+                self._run_alone()
+            else:
+                self._run_ring()
+        except Exception:  # noqa: BLE001 - a bug here must not leave clients hanging silently
+            log.exception("ring worker crashed")
+            for key in list(self.ready):
+                self._finish(self.ready[key], ShutdownError("the daemon's ring worker crashed; see its log"))
+            raise
+        finally:
+            for key in list(self.ready):
+                self._finish(self.ready[key], ShutdownError("the daemon is shutting down"))
+
+    def _run_alone(self) -> None:
+        ring = MemoryRing(1)
+        while not self.stopping:
+            self._take_inbox(timeout=0.5)
+            while self.order and not self.stopping:
+                rnd = self.ready[self.order[0]]
+                if rnd.error is not None:
+                    self._finish(rnd, rnd.error)
+                    continue
+                self._execute(rnd, ring.transports[0], [len(rnd.parts)])
+
+    def _execute(self, rnd: LocalRound, transport, counts: list[int]) -> None:
+        try:
+            self.runner.run(rnd, transport, self.rank, self.world, counts)
+        except BirdnetError as exc:
+            self._finish(rnd, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bad round must not take the daemon down
+            log.exception("round %s raised", rnd.key)
+            self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
+            return
+        self._finish(rnd)
+
+    def _run_ring(self) -> None:
+        from birdnet.daemon.peers import RoundAborted, RoundTransport  # noqa: F401
+        net = self.net
+        while not self.stopping:
+            self._take_inbox()
+            lost = net.lost()
+            # Rounds cannot run while a peer is lost: fail them now, naming the peer.
+            if lost:
+                for key in list(self.order):
+                    rnd = self.ready[key]
+                    if time.monotonic() - rnd.ready_at >= 0 or True:
+                        self._finish(rnd, PeerLostError(
+                            f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
+                            f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
+            if self.rank == 0 and self.order and not lost:
+                self._lead(self.ready[self.order[0]])
+                continue
+            msg = self.pending_start or net.poll(0.05)
+            self.pending_start = None
+            if msg is not None and msg["h"].get("t") == "start":
+                self._follow(msg["h"])
+
+    def _wait_message(self, want: str, key: str, deadline: float) -> dict:
+        """Wait for a control message ``want`` of round ``key`` from the left neighbour."""
+        net = self.net
+        while True:
+            self._take_inbox()
+            lost = net.lost()
+            if lost:
+                raise PeerLostError(f"lost peer {net.describe_lost(lost)} while round {key} was starting")
+            if self.stopping:
+                raise ShutdownError("the daemon is shutting down")
+            if time.monotonic() > deadline:
+                raise RoundTimeoutError(f"round {key} did not start on every node within "
+                                        f"round_timeout={self.settings.round_timeout} s")
+            msg = net.poll(0.05)
+            if msg is None:
+                continue
+            h = msg["h"]
+            if h.get("t") == "abort" and h.get("k") == key:
+                from birdnet.daemon.peers import RoundAborted
+                raise RoundAborted(str(h.get("reason")))
+            if h.get("t") == want and h.get("k") == key:
+                return h
+            if h.get("t") == "start" and want == "go" and self.rank != 0:
+                self.pending_start = msg
+                raise RoundTimeoutError(f"round {key} was abandoned by the leader")
+            # anything else is stale (an earlier, failed round)
+
+    def _abort(self, key: str, reason: str) -> None:
+        try:
+            self.net.send({"t": "abort", "k": key, "reason": reason})
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _lead(self, rnd: LocalRound) -> None:
+        from birdnet.daemon.peers import RoundTransport
+        key = rnd.key
+        deadline = rnd.ready_at + self.settings.round_timeout
+        try:
+            self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]]})
+            h = self._wait_message("start", key, deadline)
+            descs = self._check_descs(h, key)
+            problem = describe_difference(descs)
+            counts = [int(d.get("count", 0)) for _, d in descs]
+            self.net.send({"t": "go", "k": key, "ok": problem is None, "err": problem, "counts": counts})
+        except BirdnetError as exc:
+            self._abort(key, f"rank 0: {exc}")
+            self._finish(rnd, exc)
+            return
+        if problem is not None:
+            self._finish(rnd, RoundMismatchError(problem))
+            return
+        self._data_phase(rnd, RoundTransport(self.net, key), counts)
+
+    def _check_descs(self, h: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
+        descs = h.get("descs")
+        from birdnet.errors import ProtocolError
+        if (not isinstance(descs, list) or len(descs) != self.world
+                or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], dict) for x in descs)
+                or [x[0] for x in descs] != list(range(self.world))):
+            raise ProtocolError(f"round {key}: malformed start message came back round the ring")
+        return [(int(r), d) for r, d in descs]
+
+    def _follow(self, h: dict[str, Any]) -> None:
+        from birdnet.daemon.peers import RoundTransport
+        key = h.get("k")
+        descs = h.get("descs")
+        if not isinstance(key, str) or not isinstance(descs, list):
+            return
+        deadline = time.monotonic() + self.settings.round_timeout
+        # Wait until this node's processes have submitted the round the leader chose.
+        while key not in self.ready:
+            if self.stopping:
+                return
+            if time.monotonic() > deadline:
+                descs.append([self.rank, {"error": f"the processes on node rank {self.rank} did not submit "
+                                                   f"round {key} within round_timeout"}])
+                self.net.send({"t": "start", "k": key, "descs": descs})
+                return
+            lost = self.net.lost()
+            if lost:
+                self._abort(key, f"lost peer {self.net.describe_lost(lost)}")
+                return
+            self._take_inbox(timeout=0.0)
+            msg = self.net.poll(0.02)
+            if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
+                self._abort(key, str(msg["h"].get("reason")))
+                return
+        rnd = self.ready[key]
+        descs.append([self.rank, self._own_desc(rnd)])
+        self.net.send({"t": "start", "k": key, "descs": descs})
+        try:
+            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout)
+        except BirdnetError as exc:
+            self._abort(key, f"rank {self.rank}: {exc}")
+            self._finish(rnd, exc)
+            return
+        if self.rank != self.world - 1:
+            self.net.send(g)
+        if not g.get("ok"):
+            self._finish(rnd, RoundMismatchError(str(g.get("err"))))
+            return
+        counts = g.get("counts")
+        if not isinstance(counts, list) or len(counts) != self.world:
+            self._finish(rnd, PeerLostError(f"round {key}: malformed go message"))
+            return
+        self._data_phase(rnd, RoundTransport(self.net, key), [int(c) for c in counts])
+
+    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> None:
+        try:
+            self.runner.run(rnd, transport, self.rank, self.world, counts)
+        except BirdnetError as exc:
+            self._abort(rnd.key, f"rank {self.rank}: {exc}")
+            if getattr(transport, "interrupt", None):
+                self.pending_start = transport.interrupt
+            self._finish(rnd, exc)
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("round %s raised", rnd.key)
+            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
+            self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
+            return
+        self._finish(rnd)

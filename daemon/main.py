@@ -1,0 +1,79 @@
+"""``birdnetd``: the per-node daemon's command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from birdnet import __version__
+from birdnet.config import Settings, load_settings
+from birdnet.errors import BirdnetError, ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="birdnetd",
+        description="birdnet daemon: averages gradients of local training processes with the other nodes "
+                    "over a compressed ZeroMQ ring. Settings: flags, then BIRDNET_* environment variables "
+                    "(e.g. BIRDNET_PEER_TIMEOUT), then the TOML file of --config, then defaults.",
+    )
+    a = p.add_argument
+    a("--peers", metavar="HOSTS_FILE", help="hosts file: one host:port per line in ring order "
+      "(# comments allowed). Without it: a one-node ring for local processes only.")
+    a("--rank", type=int, help="this node's line in the hosts file, from 0 (default: the line whose "
+      "address is on this machine with a free port; needed when several daemons share a machine)")
+    a("--socket", metavar="PATH", help="Unix socket for training processes (default $BIRDNET_SOCKET, else "
+      "/run/birdnet/birdnetd.sock for the system service, else $XDG_RUNTIME_DIR/birdnet/birdnetd.sock)")
+    a("--config", metavar="FILE", help="TOML file with settings (keys as the long options, with underscores)")
+    a("--local-size", type=int, help=f"training processes per job on this node (default {d.local_size})")
+    a("--cluster", help=f"cluster name; peers with another name are refused (default {d.cluster!r})")
+    a("--cluster-seed", type=int, help="seed shared by the cluster for shared random selections (default 0)")
+    a("--codec", help=f"cluster default codec (default {d.codec!r}); see `birdnet codecs`")
+    a("--codec-params", metavar="JSON", help='cluster default codec parameters, e.g. \'{"density": 0.01}\'')
+    a("--dense-threshold", type=int, help=f"tensors with fewer elements go dense (default {d.dense_threshold})")
+    a("--chunk-bytes", type=int, help=f"pipelining unit of the ring (default {d.chunk_bytes})")
+    a("--peer-timeout", type=float, help=f"seconds without a sign of life before a peer counts as lost "
+      f"(default {d.peer_timeout})")
+    a("--heartbeat-interval", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval})")
+    a("--round-timeout", type=float, help=f"seconds a round may wait for all processes to arrive "
+      f"(default {d.round_timeout})")
+    a("--state-limit-bytes", type=int, help="cap on codec state (error feedback) memory (default 4 GiB)")
+    a("--max-message-bytes", type=int, help="largest message accepted from a peer (default 1 GiB)")
+    a("--nan-policy", choices=["propagate", "reject"], help="NaN/Inf in a contribution: propagate (default) "
+      "or reject the round with an error naming the tensor")
+    a("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    a("--metrics-host", help="address for --metrics-port (default 127.0.0.1)")
+    a("--curve-secret-key", metavar="FILE", help="this node's CURVE secret key file (birdnet keygen); "
+      "enables authenticated, encrypted peer links")
+    a("--curve-allowed-keys", metavar="FILE", help="file of peer public keys allowed to connect, one per line")
+    a("--shm-group", help="group allowed to use the client socket and shared memory (default: owner only)")
+    a("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
+    a("--version", action="version", version=f"birdnetd {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        settings = load_settings(flags, config=args.config)
+    except ConfigError as exc:
+        print(f"birdnetd: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.INFO),
+                        format="%(asctime)s birdnetd %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from birdnet.daemon.service import Daemon
+    try:
+        daemon = Daemon(settings)
+        return daemon.serve_forever()
+    except ConfigError as exc:
+        print(f"birdnetd: {exc}", file=sys.stderr)
+        return 2
+    except BirdnetError as exc:
+        print(f"birdnetd: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Peer links: the ZeroMQ side of the ring.
+
+Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
+and connects one DEALER socket to its right neighbour. Everything a ring algorithm sends goes out
+on the DEALER; everything it receives comes in on the ROUTER. Only this module's owner thread (the
+ring worker) touches these sockets.
+
+Message types (header field ``t``; frame layout in :mod:`birdnet.wire`):
+
+==========  ==============  =======================================================================
+type        direction       meaning
+==========  ==============  =======================================================================
+``ping``    left -> right   heartbeat *and* handshake: protocol, cluster-wide settings, world, rank,
+                            incarnation, and the ranks the sender believes lost. Sent every
+                            ``heartbeat_interval``. The receiver checks it and answers ``pong`` or
+                            ``refuse``; data from a DEALER identity that has not passed the check
+                            is dropped.
+``pong``    right -> left   the ping was accepted.
+``refuse``  right -> left   the ping was refused; ``reason`` says what differs.
+``start``   left -> right   a round: the leader (rank 0) sends it, every node appends its round
+                            description when its local processes are ready and passes it on.
+``go``      left -> right   the leader's verdict after the start came back (ok, or the error).
+``abort``   left -> right   a node failed the round (lost peer, mismatch); passes the reason on.
+``data``    left -> right   ring-algorithm messages, tagged with the round key ``k``.
+==========  ==============  =======================================================================
+
+Liveness: the left neighbour is alive while anything from it arrived within ``peer_timeout``; the
+right neighbour while pongs arrive. A node that loses a neighbour reports it in its pings, and every
+node adds what its left neighbour reports, so within a few heartbeats every node knows which peer
+is lost, names it in the errors its clients see, and forgets it when it is back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import time
+from typing import Any, Sequence
+
+import zmq
+
+from birdnet import PROTOCOL_VERSION, wire
+from birdnet.config import Settings
+from birdnet.errors import PeerLostError, ProtocolError
+from birdnet.hosts import Peer
+
+log = logging.getLogger("birdnet.peers")
+
+
+class RoundAborted(PeerLostError):
+    """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
+    fails on this node too; the next round starts normally."""
+
+
+def _resolve(host: str) -> str:
+    try:
+        return pysocket.getaddrinfo(host, None, type=pysocket.SOCK_STREAM)[0][4][0]
+    except pysocket.gaierror:
+        return host
+
+
+class PeerNet:
+    """The two sockets of a ring node plus liveness bookkeeping."""
+
+    def __init__(self, ctx: zmq.Context, settings: Settings, peers: list[Peer], rank: int,
+                 curve: Any = None, wake: zmq.Socket | None = None) -> None:
+        self.settings, self.peers, self.rank = settings, peers, rank
+        self.world = len(peers)
+        self.left = peers[(rank - 1) % self.world]
+        self.right = peers[(rank + 1) % self.world]
+        self.incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
+        self.started = time.monotonic()
+        self.cluster_wide = settings.cluster_wide()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.left_identity: bytes | None = None
+        self.left_seen = 0.0  # monotonic time of the last message from the left neighbour
+        self.right_seen = 0.0  # last pong from the right neighbour
+        self.refused_by_right: str | None = None
+        self.own_lost: set[int] = set()
+        self.left_reports: set[int] = set()
+        self.last_ping = 0.0
+        self.dropped = 0
+        self.router = ctx.socket(zmq.ROUTER)
+        self.dealer = ctx.socket(zmq.DEALER)
+        for s in (self.router, self.dealer):
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if curve is not None:
+            curve.configure_server(self.router)
+            curve.configure_client(self.dealer, peers[(rank + 1) % self.world])
+        self.dealer.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
+        self.dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        me = peers[rank]
+        host = _resolve(me.host)
+        host = f"[{host}]" if ":" in host else host
+        self.router.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
+        self.router.bind(f"tcp://{host}:{me.port}")
+        self.dealer.connect(self.right.endpoint())
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.dealer, zmq.POLLIN)
+        # The service thread pokes ``wake`` when it hands over a round, so a waiting poll returns
+        # at once instead of at its next timeout.
+        self.wake = wake
+        if wake is not None:
+            self.poller.register(wake, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.router.close(0)
+        self.dealer.close(0)
+
+    # -- liveness --------------------------------------------------------------------------------
+    def lost(self) -> set[int]:
+        """Ranks believed lost: own observations plus what the left neighbour reports."""
+        now = time.monotonic()
+        own: set[int] = set()
+        grace = self.settings.peer_timeout
+        if now - max(self.left_seen, self.started) > grace:
+            own.add(self.left.rank)
+        if now - max(self.right_seen, self.started) > grace:
+            own.add(self.right.rank)
+        if own != self.own_lost:
+            for r in own - self.own_lost:
+                log.warning("peer rank %d (%s) lost: nothing heard for %.1f s", r, self.peers[r].address, grace)
+            for r in self.own_lost - own:
+                log.info("peer rank %d (%s) is back", r, self.peers[r].address)
+            self.own_lost = own
+        return (own | self.left_reports) - {self.rank}
+
+    def describe_lost(self, lost: set[int]) -> str:
+        return ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
+
+    def peer_states(self) -> list[dict[str, Any]]:
+        lost = self.lost()
+        out = []
+        for p in self.peers:
+            if p.rank == self.rank:
+                state = "self"
+            elif p.rank in lost:
+                state = "lost"
+            elif p.rank in (self.left.rank, self.right.rank):
+                state = "connected"
+            else:
+                state = "ok"
+            out.append({"rank": p.rank, "address": p.address, "state": state})
+        if self.refused_by_right:
+            out[self.right.rank]["state"] = "refused"
+            out[self.right.rank]["reason"] = self.refused_by_right
+        return out
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
+        frames = wire.encode(header, buffers)
+        self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        self.dealer.send_multipart(frames, copy=False)
+
+    def maybe_ping(self) -> None:
+        now = time.monotonic()
+        if now - self.last_ping < self.settings.heartbeat_interval:
+            return
+        self.last_ping = now
+        self.send({"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
+                   "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost())})
+
+    # -- receiving -------------------------------------------------------------------------------
+    def poll(self, timeout: float) -> dict | None:
+        """Wait up to ``timeout`` s for one message that matters to the caller (start, go, abort,
+        data) and return ``{"h": header, "b": buffers}``; pings, pongs and garbage are handled here."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.maybe_ping()
+            remaining = deadline - time.monotonic()
+            events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
+            if self.dealer in events:
+                self._drain_dealer()
+            if self.wake is not None and self.wake in events:
+                while True:
+                    try:
+                        self.wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                if self.router not in events:
+                    return None
+            if self.router in events:
+                msg = self._recv_router()
+                if msg is not None:
+                    return msg
+                continue
+            if time.monotonic() >= deadline:
+                return None
+
+    def _drain_dealer(self) -> None:
+        while True:
+            try:
+                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
+            except ProtocolError as exc:
+                log.warning("dropped a bad reply from right neighbour %s: %s", self.right.address, exc)
+                continue
+            if header["t"] == "pong":
+                self.right_seen = time.monotonic()
+                if self.refused_by_right:
+                    log.info("right neighbour %s accepted us", self.right.address)
+                self.refused_by_right = None
+            elif header["t"] == "refuse":
+                reason = str(header.get("reason"))
+                if reason != self.refused_by_right:
+                    log.error("right neighbour rank %d (%s) refused this node: %s", self.right.rank,
+                              self.right.address, reason)
+                self.refused_by_right = reason
+
+    def _recv_router(self) -> dict | None:
+        try:
+            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        if len(frames) < 1:
+            return None
+        identity = frames[0].bytes
+        try:
+            header, bufs = wire.decode(frames[1:], max_bytes=self.settings.max_message_bytes)
+        except ProtocolError as exc:
+            self._drop(f"from {identity[:40]!r}: {exc}")
+            if identity and frames[1:2] and frames[1].bytes.startswith(b"birdnet/"):
+                self._reply(identity, {"t": "refuse", "reason": str(exc)})
+            return None
+        self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
+        t = header["t"]
+        if t == "ping":
+            self._handle_ping(identity, header)
+            return None
+        if identity != self.left_identity:
+            self._drop(f"{t!r} message from {identity[:40]!r}, which is not the accepted left neighbour")
+            return None
+        self.left_seen = time.monotonic()
+        if t in ("start", "go", "abort", "data"):
+            return {"h": header, "b": bufs}
+        self._drop(f"unknown message type {t!r} from the left neighbour")
+        return None
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        if self.dropped <= 20 or self.dropped % 1000 == 0:
+            log.warning("dropped message %s (%d dropped so far)", why, self.dropped)
+
+    def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
+        try:
+            self.router.send_multipart([identity, *wire.encode(header)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _handle_ping(self, identity: bytes, h: dict[str, Any]) -> None:
+        reason = None
+        expected = self.left.rank
+        if h.get("proto") != PROTOCOL_VERSION:
+            reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
+        elif h.get("world") != self.world:
+            reason = (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
+                      f"rank {self.rank}'s has {self.world}")
+        elif h.get("rank") != expected:
+            reason = (f"the peer claims rank {h.get('rank')!r}, but rank {self.rank}'s left neighbour is "
+                      f"rank {expected} ({self.left.address}); check the order of the hosts files")
+        elif h.get("cw") != self.cluster_wide:
+            theirs = h.get("cw") if isinstance(h.get("cw"), dict) else {}
+            diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
+                     for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
+            reason = "cluster-wide settings differ: " + "; ".join(diffs)
+        if reason:
+            self._drop(f"ping refused ({reason})")
+            self._reply(identity, {"t": "refuse", "reason": reason})
+            return
+        if identity != self.left_identity:
+            log.info("left neighbour rank %d (%s) connected (incarnation %s)", expected, self.left.address,
+                     h.get("inc"))
+            self.left_identity = identity
+        self.left_seen = time.monotonic()
+        lost = h.get("lost")
+        self.left_reports = {x for x in lost if isinstance(x, int) and 0 <= x < self.world} if isinstance(lost, list) else set()
+        self._reply(identity, {"t": "pong", "rank": self.rank})
+
+
+class RoundTransport:
+    """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
+    messages with the round key, drops stale ones, notices aborts and lost peers."""
+
+    def __init__(self, net: PeerNet, key: str) -> None:
+        self.net, self.key = net, key
+        self.rank, self.world = net.rank, net.world
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
+
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
+        h = dict(header)
+        h["k"] = self.key
+        before = self.net.bytes_sent
+        self.net.send(h, buffers)
+        self.bytes_sent += self.net.bytes_sent - before
+
+    def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        while True:
+            lost = self.net.lost()
+            if lost:
+                raise PeerLostError(f"lost peer {self.net.describe_lost(lost)} during round {self.key}")
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerLostError(
+                    f"no data from left neighbour rank {self.net.left.rank} ({self.net.left.address}) for "
+                    f"round {self.key} within {self.net.settings.peer_timeout} s")
+            before = self.net.bytes_received
+            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
+            if msg is None:
+                continue
+            h = msg["h"]
+            if h.get("t") == "abort" and h.get("k") in (self.key, None):
+                raise RoundAborted(str(h.get("reason")))
+            if h.get("t") == "start":
+                self.interrupt = msg
+                raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
+            if h.get("t") != "data" or h.get("k") != self.key:
+                continue  # stale: a message of an earlier, failed round
+            self.bytes_received += self.net.bytes_received - before
+            return h, msg["b"]

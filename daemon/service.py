@@ -1,0 +1,549 @@
+"""The daemon's main loop: client sessions, shared memory, local rounds, signals.
+
+Structure after gunicorn's arbiter: signal handlers only record the signal; the loop dispatches to
+``handle_*`` methods, then enforces invariants (reap sessions whose process died, ping the systemd
+watchdog). Rounds run on the :class:`~birdnet.daemon.engine.RingWorker` thread, which hands finished
+rounds back through a queue and wakes this loop with an inproc message.
+
+Client protocol (frames as in :mod:`birdnet.wire`; the client's DEALER talks to our ROUTER):
+
+==========  ===================================================================================
+request     reply
+==========  ===================================================================================
+``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, shm_prefix} — or ``error``
+``alloc``   ``shm`` {slot, name, nbytes}: a segment the daemon created for this session
+``submit``  later ``done`` {call, stats} (the result is in the slot) or ``error`` {call, error, message}
+``status``  ``status`` {...}
+``bye``     (none) the session ends; its segments are unlinked
+==========  ===================================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import grp
+import hashlib
+import logging
+import os
+import queue
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from birdnet import PROTOCOL_VERSION, __version__, wire
+from birdnet.config import Settings
+from birdnet.errors import BirdnetError, CodecError, InputError, ProtocolError, RoundTimeoutError, ShutdownError, to_wire
+from birdnet.hosts import Peer, find_own_rank, load_hosts
+from birdnet.shm import Segment, new_name, remove_stale
+from birdnet.daemon import notify
+from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRunner, StateStore
+
+log = logging.getLogger("birdnet.daemon")
+
+KINDS = ("allreduce", "broadcast", "barrier", "reset")
+OPS = ("mean", "sum")
+FLOAT_DTYPES = ("float16", "float32", "float64")
+SUM_DTYPES = FLOAT_DTYPES + ("int32", "int64")
+MAX_SEGMENT_BYTES = 1 << 34
+
+
+@dataclasses.dataclass
+class Session:
+    identity: bytes
+    pid: int
+    job: str
+    local_index: int
+    segments: dict[int, Segment] = dataclasses.field(default_factory=dict)
+    inflight: set[int] = dataclasses.field(default_factory=set)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class Job:
+    name: str
+    sessions: dict[int, Session] = dataclasses.field(default_factory=dict)  # local_index -> session
+    pending: dict[int, dict[int, tuple[dict, Contribution | None]]] = dataclasses.field(default_factory=dict)
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        if settings.peers:
+            self.peers = load_hosts(settings.peers)
+            self.rank = settings.rank if settings.rank is not None else find_own_rank(self.peers, settings.peers)
+            if self.rank >= len(self.peers):
+                raise_config(f"--rank {self.rank} is outside the {len(self.peers)} entries of {settings.peers}")
+        else:
+            self.peers = [Peer(0, "127.0.0.1", 0)]
+            self.rank = 0
+        self.world = len(self.peers)
+        self.socket_path = settings.socket_path
+        self.shm_prefix = "bn" + hashlib.blake2b(os.path.abspath(self.socket_path).encode(), digest_size=4).hexdigest() + "-"
+        self.gid = grp.getgrnam(settings.shm_group).gr_gid if settings.shm_group else None
+        self.ctx = zmq.Context()
+        self.sessions: dict[bytes, Session] = {}
+        self.jobs: dict[str, Job] = {}
+        self.finished: queue.Queue[LocalRound] = queue.Queue()
+        self.signals: list[int] = []
+        self.states = StateStore(settings.state_limit_bytes)
+        self.started = time.time()
+        self.bytes_sent_total = 0
+        self.stopping = False
+        self.net = None
+        self.worker: RingWorker | None = None
+        self.metrics = None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        removed = remove_stale(self.shm_prefix)
+        if removed:
+            log.info("removed %d shared-memory segment(s) left by an earlier instance", len(removed))
+        sock_dir = os.path.dirname(self.socket_path)
+        os.makedirs(sock_dir, mode=0o750 if self.gid is not None else 0o700, exist_ok=True)
+        if os.path.exists(self.socket_path):
+            if _socket_alive(self.ctx, self.socket_path):
+                raise_config(f"another birdnetd already serves {self.socket_path}; stop it or pass --socket")
+            os.unlink(self.socket_path)
+        self.clients = self.ctx.socket(zmq.ROUTER)
+        self.clients.setsockopt(zmq.LINGER, 0)
+        self.clients.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
+        self.clients.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        old = os.umask(0o117 if self.gid is not None else 0o177)
+        try:
+            self.clients.bind(f"ipc://{self.socket_path}")
+        finally:
+            os.umask(old)
+        if self.gid is not None:
+            os.chown(self.socket_path, -1, self.gid)
+        self.wake_rx = self.ctx.socket(zmq.PULL)
+        self.wake_rx.bind(f"inproc://birdnet-wake-{id(self)}")
+        self.wake_tx = self.ctx.socket(zmq.PUSH)
+        self.wake_tx.connect(f"inproc://birdnet-wake-{id(self)}")
+        import threading
+        self._wake_lock = threading.Lock()
+        if self.world > 1:
+            from birdnet.daemon.peers import PeerNet
+            curve = None
+            if self.settings.curve_secret_key:
+                from birdnet.daemon.security import Curve
+                curve = Curve.from_settings(self.settings, self.ctx)
+            self.ring_wake_rx = self.ctx.socket(zmq.PULL)
+            self.ring_wake_rx.bind(f"inproc://birdnet-ring-wake-{id(self)}")
+            self.ring_wake_tx = self.ctx.socket(zmq.PUSH)
+            self.ring_wake_tx.connect(f"inproc://birdnet-ring-wake-{id(self)}")
+            self.net = PeerNet(self.ctx, self.settings, self.peers, self.rank, curve=curve, wake=self.ring_wake_rx)
+        self.worker = RingWorker(self.settings, self.rank, self.world, self.net,
+                                 RoundRunner(self.settings, self.states), self._round_finished)
+        if self.settings.metrics_port is not None:
+            from birdnet.daemon.metrics import MetricsServer
+            self.metrics = MetricsServer(self, self.settings.metrics_host, self.settings.metrics_port)
+            self.metrics.start()
+        self._warm_up()
+        self.worker.start()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, _f: self.signals.append(s))
+        log.info("birdnetd %s: rank %d of %d, clients on %s", __version__, self.rank, self.world, self.socket_path)
+
+    def _warm_up(self) -> None:
+        """Compile the cluster default codec's kernels before READY=1 (Numba caches them on disk)."""
+        if self.settings.codec == "none":
+            return
+        from birdnet.codecs import Payload, RoundContext, get_codec  # noqa: F401
+        try:
+            codec = get_codec(self.settings.codec, **self.settings.codec_params)
+            x = np.linspace(-1, 1, 4096, dtype=np.float32)
+            ctx = RoundContext("warmup", "warmup", (4096,), 0, 0, 1, 1)
+            codec.compress(x, ctx, codec.new_state(4096))
+        except BirdnetError as exc:
+            raise_config(f"default codec {self.settings.codec!r}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - compiling is best effort; rounds report real errors
+            log.warning("warm-up of codec %s failed: %r", self.settings.codec, exc)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def serve_forever(self) -> int:
+        self.setup()
+        notify.notify("READY=1", f"STATUS={self._status_line()}")
+        poller = zmq.Poller()
+        poller.register(self.clients, zmq.POLLIN)
+        poller.register(self.wake_rx, zmq.POLLIN)
+        watchdog = notify.watchdog_interval()
+        last_watchdog = last_reap = 0.0
+        last_status = ""
+        try:
+            while True:
+                while self.signals:
+                    sig = self.signals.pop(0)
+                    if sig == signal.SIGHUP:
+                        self.handle_hup()
+                    else:
+                        log.info("signal %s: stopping", signal.Signals(sig).name)
+                        notify.notify("STOPPING=1")
+                        return self.shutdown()
+                events = dict(poller.poll(200))
+                if self.clients in events:
+                    for _ in range(256):
+                        try:
+                            frames = self.clients.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self.handle_client(frames)
+                if self.wake_rx in events:
+                    while True:
+                        try:
+                            self.wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self.handle_finished()
+                now = time.monotonic()
+                if now - last_reap > 1.0:
+                    last_reap = now
+                    self.reap_sessions()
+                    line = self._status_line()
+                    if line != last_status:
+                        notify.notify(f"STATUS={line}")
+                        last_status = line
+                if watchdog and now - last_watchdog > watchdog:
+                    last_watchdog = now
+                    if self.worker is not None and self.worker.is_alive():
+                        notify.notify("WATCHDOG=1")
+                if self.worker is not None and not self.worker.is_alive() and not self.stopping:
+                    log.error("ring worker stopped unexpectedly; exiting so the service manager restarts us")
+                    self.shutdown()
+                    return 1
+        finally:
+            if not self.stopping:
+                self.shutdown()
+
+    def _status_line(self) -> str:
+        if self.net is None:
+            return f"rank 0 of 1 (single node), {len(self.sessions)} client(s)"
+        lost = self.net.lost()
+        ok = self.world - 1 - len(lost)
+        return f"rank {self.rank} of {self.world}, peers reachable {ok}/{self.world - 1}, {len(self.sessions)} client(s)"
+
+    def handle_hup(self) -> None:
+        """Re-read the hosts file. Ring membership cannot change under a running ring, so a changed
+        file is reported (restart to apply), an unchanged one is a no-op."""
+        notify.notify("RELOADING=1")
+        try:
+            if self.settings.peers:
+                new = load_hosts(self.settings.peers)
+                if [p.address for p in new] != [p.address for p in self.peers]:
+                    log.warning("hosts file %s changed; restart birdnetd to apply the new ring", self.settings.peers)
+                else:
+                    log.info("SIGHUP: hosts file unchanged")
+        except BirdnetError as exc:
+            log.error("SIGHUP: %s", exc)
+        notify.notify("READY=1")
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self.wake_tx.send(b"", zmq.NOBLOCK)
+
+    # -- client messages --------------------------------------------------------------------------
+    def reply(self, identity: bytes, header: dict[str, Any]) -> None:
+        try:
+            self.clients.send_multipart([identity, *wire.encode(header)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("reply to a gone client dropped: %s", exc)
+
+    def handle_client(self, frames: list) -> None:
+        if len(frames) < 2:
+            return
+        identity = frames[0].bytes
+        try:
+            header, _ = wire.decode(frames[1:], max_bytes=wire.MAX_HEADER_BYTES)
+            t = header["t"]
+            handler = getattr(self, f"handle_{t}", None) if t in ("hello", "alloc", "submit", "status", "bye") else None
+            if handler is None:
+                raise ProtocolError(f"unknown request {t!r}")
+            handler(identity, header)
+        except BirdnetError as exc:
+            log.info("client request refused: %s", exc)
+            call = None
+            try:
+                call = header.get("call")  # type: ignore[possibly-undefined]
+            except Exception:  # noqa: BLE001
+                pass
+            self.reply(identity, {"t": "error", "call": call, **to_wire(exc)})
+
+    def handle_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+        if h.get("proto") != PROTOCOL_VERSION:
+            from birdnet.errors import VersionMismatchError
+            raise VersionMismatchError(f"client speaks protocol {h.get('proto')!r}, birdnetd {__version__} speaks "
+                                       f"{PROTOCOL_VERSION}; install the same birdnet version for both")
+        job = wire.field(h, "job", str, "hello")
+        pid = wire.field(h, "pid", int, "hello")
+        if not job or len(job) > 200:
+            raise InputError("job name must be 1..200 characters")
+        if identity in self.sessions:
+            self.end_session(identity, "re-hello")
+        j = self.jobs.setdefault(job, Job(job))
+        free = [i for i in range(self.settings.local_size) if i not in j.sessions]
+        if not free:
+            raise InputError(f"job {job!r} already has {self.settings.local_size} process(es) on this node "
+                             f"(pids {sorted(s.pid for s in j.sessions.values())}); start birdnetd with "
+                             "--local-size N for N training processes per node, or use another job name")
+        idx = free[0]
+        s = Session(identity, pid, job, idx)
+        self.sessions[identity] = s
+        j.sessions[idx] = s
+        log.info("client pid %d joined job %r as local rank %d", pid, job, idx)
+        ls = self.settings.local_size
+        self.reply(identity, {"t": "welcome", "rank": self.rank * ls + idx, "size": self.world * ls,
+                              "local_rank": idx, "local_size": ls, "node": self.rank, "world": self.world,
+                              "version": __version__})
+
+    def _session(self, identity: bytes) -> Session:
+        s = self.sessions.get(identity)
+        if s is None:
+            raise ProtocolError("no session: send hello first (the daemon may have restarted)")
+        return s
+
+    def handle_alloc(self, identity: bytes, h: dict[str, Any]) -> None:
+        s = self._session(identity)
+        slot = wire.field(h, "slot", int, "alloc")
+        nbytes = wire.field(h, "nbytes", int, "alloc")
+        if not 0 <= nbytes <= min(MAX_SEGMENT_BYTES, self.settings.max_message_bytes * 4):
+            raise InputError(f"shared-memory request of {nbytes} bytes is outside the limit")
+        if slot in s.inflight:
+            raise InputError(f"slot {slot} is in use by a call in flight")
+        old = s.segments.pop(slot, None)
+        if old is not None:
+            old.unlink()
+            old.close()
+        seg = Segment(new_name(self.shm_prefix), nbytes, create=True,
+                      mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
+        s.segments[slot] = seg
+        self.reply(identity, {"t": "shm", "call": h.get("call"), "slot": slot, "name": seg.name, "nbytes": nbytes})
+
+    def handle_submit(self, identity: bytes, h: dict[str, Any]) -> None:
+        s = self._session(identity)
+        call = wire.field(h, "call", int, "submit")
+        seq = wire.field(h, "seq", int, "submit")
+        kind = wire.field(h, "kind", str, "submit")
+        if kind not in KINDS:
+            raise InputError(f"unknown collective {kind!r}")
+        desc: dict[str, Any] = {"kind": kind, "name": None, "shape": [], "dtype": None, "op": None,
+                                "codec": None, "root": None}
+        array = None
+        codec_params: dict[str, Any] = {}
+        if kind in ("allreduce", "broadcast"):
+            name = wire.field(h, "name", str, "submit")
+            shape = wire.field(h, "shape", list, "submit")
+            dtype = wire.field(h, "dtype", str, "submit")
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) or len(shape) > 32:
+                raise InputError(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+            op = h.get("op", "mean") if kind == "allreduce" else "sum"
+            if op not in OPS:
+                raise InputError(f"tensor {name!r}: op {op!r} is not supported; use 'mean' or 'sum'")
+            allowed = FLOAT_DTYPES if op == "mean" else SUM_DTYPES
+            if dtype not in allowed:
+                raise InputError(f"tensor {name!r}: dtype {dtype} cannot be reduced with op={op!r}; "
+                                 f"convert to one of {', '.join(allowed)}")
+            n = int(np.prod(shape)) if shape else 1
+            dt = np.dtype(dtype)
+            slot = wire.field(h, "slot", int, "submit")
+            seg = s.segments.get(slot)
+            if seg is None or seg.size < n * dt.itemsize:
+                raise InputError(f"tensor {name!r}: slot {slot} is missing or too small for {n} x {dtype}")
+            array = np.frombuffer(seg.buf, dtype=dt, count=n).reshape(shape)
+            desc.update(name=name, shape=shape, dtype=dtype, op=op)
+            codec_name = h.get("codec") or self.settings.codec
+            params = h.get("params") if h.get("codec") else self.settings.codec_params
+            if not isinstance(codec_name, str) or not isinstance(params, dict):
+                raise InputError("codec must be a name and its parameters a map")
+            if kind == "broadcast" or n < self.settings.dense_threshold or dt.kind != "f":
+                desc["codec"] = {"codec": "none"}
+            else:
+                from birdnet.codecs import get_codec
+                desc["codec"] = get_codec(codec_name, **params).describe()  # CodecError names the problem
+            if kind == "broadcast":
+                root = h.get("root", 0)
+                if not isinstance(root, int) or not 0 <= root < self.world * self.settings.local_size:
+                    raise InputError(f"broadcast root {root!r} is not a rank of this job")
+                desc["root"] = root
+            s.inflight.add(slot)
+        j = self.jobs[s.job]
+        pend = j.pending.setdefault(seq, {})
+        if s.local_index in pend:
+            raise InputError(f"call {seq} submitted twice by the same process")
+        contribution = None
+        if array is not None:
+            contribution = Contribution(identity, call, array, s.local_index,
+                                        self.rank * self.settings.local_size + s.local_index)
+        pend[s.local_index] = (desc, contribution, call, slot if array is not None else None)
+        if len(pend) == self.settings.local_size:
+            self._launch(j, seq)
+
+    def _launch(self, j: Job, seq: int) -> None:
+        pend = j.pending.pop(seq)
+        entries = [pend[i] for i in sorted(pend)]
+        desc0 = entries[0][0]
+        rnd = LocalRound(job=j.name, seq=seq, kind=desc0["kind"], desc=desc0,
+                         parts=[e[1] for e in entries if e[1] is not None])
+        rnd.callers = [(j.sessions.get(i), pend[i][2], pend[i][3]) for i in sorted(pend)]
+        for i, (d, _c, _call, _slot) in zip(sorted(pend), entries):
+            diffs = [f"{k}: {desc0.get(k)!r} (local rank {sorted(pend)[0]}) vs {d.get(k)!r} (local rank {i})"
+                     for k in desc0 if d.get(k) != desc0.get(k)]
+            if diffs:
+                rnd.error = InputError(f"call {seq} of job {j.name!r} does not match between processes on node "
+                                       f"rank {self.rank}: " + "; ".join(diffs))
+                break
+        if rnd.error is None and self.settings.nan_policy == "reject" and rnd.kind == "allreduce":
+            for p in rnd.parts:
+                if p.array.dtype.kind == "f" and not np.isfinite(p.array).all():
+                    rnd.error = InputError(f"tensor {desc0['name']!r} from local rank {p.local_index} on node rank "
+                                           f"{self.rank} contains NaN or Inf (nan_policy='reject')")
+                    break
+        assert self.worker is not None
+        self.worker.submit(rnd)
+        if self.net is not None:
+            self.ring_wake_tx.send(b"", zmq.NOBLOCK)
+
+    def _round_finished(self, rnd: LocalRound) -> None:
+        """Called on the ring worker thread."""
+        self.finished.put(rnd)
+        self._wake()
+
+    def handle_finished(self) -> None:
+        while True:
+            try:
+                rnd = self.finished.get_nowait()
+            except queue.Empty:
+                return
+            self.bytes_sent_total += int(rnd.stats.get("bytes_sent", 0) or 0)
+            for session, call, slot in rnd.callers:
+                if session is None or self.sessions.get(session.identity) is not session:
+                    continue  # the process is gone
+                if slot is not None:
+                    session.inflight.discard(slot)
+                if rnd.error is not None:
+                    self.reply(session.identity, {"t": "error", "call": call, **to_wire(rnd.error)})
+                else:
+                    self.reply(session.identity, {"t": "done", "call": call, "stats": _plain(rnd.stats)})
+
+    def handle_status(self, identity: bytes, h: dict[str, Any]) -> None:
+        self.reply(identity, {"t": "status", "call": h.get("call"), "status": self.status()})
+
+    def handle_bye(self, identity: bytes, h: dict[str, Any]) -> None:
+        self.end_session(identity, "bye")
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def end_session(self, identity: bytes, why: str) -> None:
+        s = self.sessions.pop(identity, None)
+        if s is None:
+            return
+        j = self.jobs.get(s.job)
+        if j is not None:
+            j.sessions.pop(s.local_index, None)
+            # Rounds still collecting on this node can never complete: fail them for the others.
+            for seq in list(j.pending):
+                pend = j.pending[seq]
+                pend.pop(s.local_index, None)
+                err = InputError(f"process pid {s.pid} (local rank {s.local_index}) of job {s.job!r} left "
+                                 f"({why}) before call {seq} completed")
+                for idx, (_d, _c, call, slot) in list(pend.items()):
+                    other = j.sessions.get(idx)
+                    if other is not None:
+                        other.inflight.discard(slot)
+                        self.reply(other.identity, {"t": "error", "call": call, **to_wire(err)})
+                del j.pending[seq]
+            if not j.sessions:
+                del self.jobs[s.job]
+        for seg in s.segments.values():
+            seg.unlink()
+            seg.close()
+        log.info("client pid %d left job %r (%s)", s.pid, s.job, why)
+
+    def reap_sessions(self) -> None:
+        for identity, s in list(self.sessions.items()):
+            if not _pid_alive(s.pid):
+                self.end_session(identity, "process exited")
+
+    # -- status -----------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        w = self.worker
+        peers = self.net.peer_states() if self.net is not None else [{"rank": 0, "address": "(single node)", "state": "self"}]
+        return {
+            "version": __version__, "rank": self.rank, "world": self.world, "local_size": self.settings.local_size,
+            "socket": self.socket_path, "cluster": self.settings.cluster, "codec": self.settings.codec,
+            "peers": peers,
+            "jobs": {name: {"processes": [{"local_rank": i, "pid": s.pid} for i, s in sorted(j.sessions.items())]}
+                     for name, j in self.jobs.items()},
+            "rounds_done": w.rounds_done if w else 0, "rounds_failed": w.rounds_failed if w else 0,
+            "last_round_seconds": w.last_round_seconds if w else 0.0,
+            "bytes_sent": self.net.bytes_sent if self.net else 0,
+            "bytes_received": self.net.bytes_received if self.net else 0,
+            "state_bytes": self.states.total_bytes(),
+            "uptime_seconds": time.time() - self.started,
+        }
+
+    # -- shutdown ---------------------------------------------------------------------------------
+    def shutdown(self) -> int:
+        if self.stopping:
+            return 0
+        self.stopping = True
+        if self.worker is not None and self.worker.is_alive():
+            self.worker.stop()
+            self.worker.join(timeout=max(5.0, self.settings.peer_timeout))
+        self.handle_finished()
+        for j in self.jobs.values():
+            for seq, pend in j.pending.items():
+                for idx, (_d, _c, call, _slot) in pend.items():
+                    s = j.sessions.get(idx)
+                    if s is not None:
+                        self.reply(s.identity, {"t": "error", "call": call,
+                                                **to_wire(ShutdownError("birdnetd is shutting down"))})
+            j.pending.clear()
+        for identity in list(self.sessions):
+            self.end_session(identity, "daemon shutting down")
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.net is not None:
+            self.net.close()
+        for sock in ("clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
+            if hasattr(self, sock):
+                getattr(self, sock).close(0)
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+        self.ctx.term()
+        log.info("stopped")
+        return 0
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (float(v) if isinstance(v, (np.floating, float)) else int(v) if isinstance(v, (np.integer, int)) else v)
+            for k, v in d.items() if isinstance(v, (int, float, str, np.integer, np.floating))}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _socket_alive(ctx: zmq.Context, path: str) -> bool:
+    import socket as pysocket
+    s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def raise_config(msg: str) -> None:
+    from birdnet.errors import ConfigError
+    raise ConfigError(msg)
