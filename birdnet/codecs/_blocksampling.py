@@ -134,6 +134,11 @@ class BlockSamplingCodec(Codec):
         if st is not None:
             B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
         if shared:
+            # the shared selection ignores this round's data, so a NaN/Inf outside the kept blocks
+            # would not reach the result: poison the summed values so it does (order-independent)
+            bad = float(np.sum(norms, dtype=np.float64)) if prm["error_feedback"] else float(np.sum(x))
+            if not np.isfinite(bad) and k:
+                vals[0] = vals[0] + np.float32(bad)
             return Payload(header={"n": n, "b": b, "k": k, "digest": dig}, values=vals)
         return Payload(header={"n": n, "b": b, "k": k},
                        buffers=[ids.astype(C.index_dtype(m)), wire])

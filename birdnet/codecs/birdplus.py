@@ -52,7 +52,7 @@ class BirdPlusCodec(BlockSamplingCodec):
     def _shared_selection(self, imp: np.ndarray, m: int, seed: int):
         k = kept_blocks(self.params["density"], m)
         p = self._probabilities(imp, k)
-        B.floor_mix(p, self.params["eps"], k / m)
+        B.floor_mix(p, self.params["eps"], k / m if m else 0.0)
         return p, _walk(p, rng.uniform_scalar(seed, 0))
 
 

@@ -2,7 +2,7 @@
 
 level_i = floor(|x_i|/||x||_2 * s + u_i), u_i ~ U(0,1) from the node's local seed; the receiver adds
 sign * level * ||x|| / s. Unbiased: E[C(x)] = x; variance E||C(x) - x||^2 <= min(n/s^2, sqrt(n)/s) ||x||^2.
-GATHERED: int8 levels (s <= 127) or int16 (s <= 32767) + the norm in the header. No state. A
+GATHERED: int8 levels (s <= 127) or uint16 levels + s (s <= 32767) + the norm in the header. No state. A
 non-finite norm (NaN/Inf in x) is sent as such and the receiver adds NaN everywhere.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class QSGDCodec(Codec):
         return params
 
     def _level_dtype(self) -> str:
-        return "|i1" if self.params["levels"] <= 127 else "<i2"
+        return "|i1" if self.params["levels"] <= 127 else "<u2"
 
     def compress(self, x: np.ndarray, ctx: RoundContext, state=None) -> Payload:
         n = C.check_input(self.name, x, ctx)
@@ -60,4 +60,5 @@ class QSGDCodec(Codec):
         if not math.isfinite(norm):
             out += np.float32(np.nan)
             return
-        quant.dequantise_add(levels, norm / self.params["levels"], out)
+        s = self.params["levels"]
+        quant.dequantise_add(levels, norm / s, out, quant.level_offset(s))

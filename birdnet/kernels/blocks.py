@@ -369,6 +369,8 @@ def scatter_blocks(vals: np.ndarray, b: int, ids: np.ndarray, out: np.ndarray, a
     if vals.shape[0] != ids.shape[0] * b:
         raise ValueError(f"scatter_blocks: {vals.shape[0]} values for {ids.shape[0]} blocks of {b}")
     if ids.shape[0]:
+        if vals.dtype != np.float32:  # Numba has no float16 arrays: widen the (small) payload
+            vals = vals.astype(np.float32)
         _scatter_blocks(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
 
 

@@ -23,7 +23,7 @@ def _l2(x):
 
 
 @njit(cache=True, parallel=True)
-def _qsgd_quantise(x, norm, s, seed, out):
+def _qsgd_quantise(x, norm, s, seed, offset, out):
     # level = floor(|x|/norm * s + u), u ~ U(0,1): E[level] = |x|/norm * s  (unbiased)
     inv = s / norm
     for i in prange(x.shape[0]):
@@ -31,13 +31,13 @@ def _qsgd_quantise(x, norm, s, seed, out):
         lv = math.floor(r + uniform(seed, i))
         if lv > s:
             lv = s
-        out[i] = -lv if x[i] < 0 else lv
+        out[i] = (-lv if x[i] < 0 else lv) + offset
 
 
 @njit(cache=True, parallel=True)
-def _dequantise_add(levels, step, out):
+def _dequantise_add(levels, offset, step, out):
     for i in prange(out.shape[0]):
-        out[i] += np.float32(levels[i]) * step
+        out[i] += np.float32(np.int64(levels[i]) - offset) * step
 
 
 def l2_norm(x: np.ndarray) -> float:
@@ -45,20 +45,26 @@ def l2_norm(x: np.ndarray) -> float:
 
 
 def qsgd_quantise(x: np.ndarray, s: int, seed: int) -> tuple[float, np.ndarray]:
-    """(norm, signed levels in [-s, s]) with int8 levels for s <= 127, else int16."""
+    """(norm, levels): int8 levels in [-s, s] for s <= 127, else uint16 levels + s in [0, 2s]
+    (the wire format allows no int16)."""
     norm = float(_l2(x))
-    out = np.empty(x.shape[0], np.int8 if s <= 127 else np.int16)
+    out = np.empty(x.shape[0], np.int8 if s <= 127 else np.uint16)
+    offset = level_offset(s)
     if norm > 0.0 and math.isfinite(norm) and x.shape[0]:
-        _qsgd_quantise(x, norm, s, as_seed(seed), out)
+        _qsgd_quantise(x, norm, s, as_seed(seed), offset, out)
     else:
-        out[:] = 0
+        out[:] = offset
     return norm, out
 
 
-def dequantise_add(levels: np.ndarray, step: float, out: np.ndarray) -> None:
-    """out += levels * step (step = norm / s, as float32)."""
+def level_offset(s: int) -> int:
+    return 0 if s <= 127 else s
+
+
+def dequantise_add(levels: np.ndarray, step: float, out: np.ndarray, offset: int = 0) -> None:
+    """out += (levels - offset) * step (step = norm / s, as float32)."""
     if levels.shape[0]:
-        _dequantise_add(np.ascontiguousarray(levels), np.float32(step), out)
+        _dequantise_add(np.ascontiguousarray(levels), np.int64(offset), np.float32(step), out)
 
 
 @njit(cache=True)

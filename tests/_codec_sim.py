@@ -1,0 +1,45 @@
+"""A simulated round on in-process "nodes" (no network): GATHERED payloads go through
+pack_buffers -> bytes -> payload_from_wire -> decompress_add in rank order; SUMMABLE values are
+summed (rounded to float16 at the wire when the codec says so) and decompressed."""
+from __future__ import annotations
+
+import numpy as np
+
+from birdnet.codecs import Pattern, Payload, RoundContext
+from birdnet.codecs.base import pack_buffers
+
+
+def contexts(n, world=4, rnd=0, seed=1234, shape=None):
+    return [RoundContext(job="j", name="t", shape=shape or (n,), round_id=rnd, rank=r, world=world,
+                         seed=seed + 7919 * rnd, tensor_round=rnd) for r in range(world)]
+
+
+def sim_round(codec, xs, states, rnd=0, seed=1234):
+    n = xs[0].shape[0]
+    cs = contexts(n, len(xs), rnd, seed)
+    pays = [codec.compress(x, c, s) for x, c, s in zip(xs, cs, states)]
+    outs = []
+    if codec.pattern == Pattern.SUMMABLE:
+        tot = np.zeros_like(pays[0].values)
+        for p in pays:
+            v = p.values.astype(np.float16).astype(np.float32) if codec.wire_dtype == "float16" else p.values
+            tot = (tot + v).astype(np.float32)
+        for c, s in zip(cs, states):
+            out = np.empty(n, np.float32)
+            codec.decompress(Payload(header=dict(pays[0].header), values=tot.copy()), out, c, s)
+            outs.append(out)
+    else:
+        wire = []
+        for p in pays:
+            h, bufs = pack_buffers(p)
+            wire.append((h, [b.tobytes() for b in bufs]))
+        for c in cs:
+            out = np.zeros(n, np.float32)
+            for h, bufs in wire:
+                codec.decompress_add(codec.payload_from_wire(dict(h), [memoryview(b) for b in bufs]), out, c)
+            outs.append(out)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])  # every node bit-identical
+    for c, s in zip(cs, states):
+        codec.after_round(s, outs[0], c)
+    return outs[0], pays
