@@ -53,12 +53,28 @@ from birdnet.kernels.signbits import nbytes_for
 from birdnet.ring.dense import ring_allreduce, segment_bounds
 from birdnet.ring.transport import Transport
 
-__all__ = ["merged_allreduce", "merge_bounds"]
+__all__ = ["merged_allreduce", "merge_bounds", "hop_seed"]
+
+_MASK64 = (1 << 64) - 1
 
 
 def merge_bounds(n: int, world: int) -> list[int]:
     """Element boundaries of the ``world`` bit segments (multiples of 8 except the final ``n``)."""
     return segment_bounds(int(n), int(world), align=8)
+
+
+def _mix64(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def hop_seed(local_seed: int, step: int) -> int:
+    """The mask seed of reduce-scatter step ``step`` on this node: a non-linear hash of
+    ``(local_seed, step)``. (``local_seed + step`` would give rank r at step s and rank r+1 at step
+    s-1 the same stream, correlating the masks of different segments.)"""
+    return _mix64(_mix64(local_seed) ^ _mix64((step + 1) * 0x9E3779B97F4A7C15))
 
 
 def _counts(ctx: RoundContext, world: int) -> tuple[int, ...]:
@@ -113,9 +129,10 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
     bounds = merge_bounds(n, world)
     bb = [nbytes_for(b) for b in bounds]  # byte boundaries (bounds are multiples of 8 but the last)
 
-    seg_bits: list[Any] = [None] * world
+    # Every segment starts as this node's own operand, so that after a disagreement (the received
+    # operand ignored) the schedule still has well-formed buffers to forward.
+    seg_bits: list[Any] = [own_bits[bb[j]:bb[j + 1]] for j in range(world)]
     seg_meta: list[dict[str, float]] = [{} for _ in range(world)]
-    seg_bits[r] = own_bits[bb[r]:bb[r + 1]]
     seg_meta[r] = codec.segment_meta(state, bounds[r], bounds[r + 1], ctx)
     scales: list[float | None] = [None] * world
     scales[r] = own_scale
@@ -159,14 +176,17 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
     for s in range(world - 1):
         sj = (r - s) % world
         src = sj  # the scale of rank (r-s) rides along in step s
-        send({"p": "mrs", "s": s, "seg": sj, "w": weight(sj, s + 1), "src": src, "scale": scales[src],
+        send({"p": "mrs", "s": s, "seg": sj, "w": weight(sj, s + 1), "src": src, "scale": scales[src] if scales[src] is not None else 0.0,
               "meta": seg_meta[sj]}, seg_bits[sj])
         j = (r - s - 1) % world
         h, a = receive("mrs", s, j)
-        if a is None:
-            continue  # disagreement recorded; keep the schedule going with our own operand
+        if a is None or error:
+            continue  # the round has failed: keep the schedule going (own operand) so nobody hangs
         w_a = weight(j, s + 1)
-        if h.get("w") != w_a or h.get("src") != j or not isinstance(h.get("scale"), float):
+        if not isinstance(h.get("scale"), float):
+            raise ProtocolError(f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent scale "
+                                f"{h.get('scale')!r} (not a float) in reduce-scatter step {s}")
+        if h.get("w") != w_a or h.get("src") != j:
             if error is None:
                 error = (f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent segment {j} "
                          f"standing for w={h.get('w')!r} with the scale of rank {h.get('src')!r}, "
@@ -175,7 +195,7 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
         scales[j] = float(h["scale"])
         lo, hi = bounds[j], bounds[j + 1]
         seg_bits[j], seg_meta[j] = codec.merge_hop(a, h["meta"], own_bits[bb[j]:bb[j + 1]], state, lo, hi,
-                                                   w_a, counts[r], ctx.local_seed + s, ctx)
+                                                   w_a, counts[r], hop_seed(ctx.local_seed, s), ctx)
 
     # All-gather: forward finished segments unchanged.
     for s in range(world - 1):
