@@ -22,7 +22,7 @@ from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import pack_buffers
 from birdnet.config import Settings
 from birdnet.errors import (BirdnetError, CodecError, InputError, PeerLostError, RoundMismatchError,
-                            RoundTimeoutError, ShutdownError, StateLimitError)
+                            RoundTimeoutError, ShutdownError, StateLimitError, from_wire)
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing
@@ -101,9 +101,18 @@ class StateStore:
         return sum(v[3] for v in self.states.values())
 
 
+def error_class(descs: list[tuple[int, dict[str, Any]]]) -> str:
+    """The error class a failed round is reported with: the first node's own error class (e.g.
+    InputError for NaN under nan_policy='reject'), else a mismatch."""
+    for _r, d in descs:
+        if d.get("error"):
+            return str(d.get("error_class") or "InputError")
+    return "RoundMismatchError"
+
+
 def describe_difference(descs: list[tuple[int, dict[str, Any]]]) -> str | None:
     """None when all descriptions agree; else a message naming the tensor, ranks and fields."""
-    errors = [f"rank {r}: {d['error']}" for r, d in descs if d.get("error")]
+    errors = [f"node rank {r}: {d['error']}" for r, d in descs if d.get("error")]
     if errors:
         return "; ".join(errors)
     r0, d0 = descs[0]
@@ -162,6 +171,9 @@ class RoundRunner:
                                  chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key})
         else:
             out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts)
+        flush = getattr(transport, "flush", None)
+        if flush is not None:  # zero-copy sends must be done before ``out`` is touched again
+            flush(self.settings.peer_timeout)
         st["bytes_sent"] = transport.bytes_sent - before_s
         st["bytes_received"] = transport.bytes_received - before_r
         st["codec"] = codec_name
@@ -281,6 +293,7 @@ class RingWorker(threading.Thread):
         d["count"] = len(rnd.parts)
         if rnd.error is not None:
             d["error"] = str(rnd.error)
+            d["error_class"] = type(rnd.error).__name__
         return d
 
     # -- main loop --------------------------------------------------------------------------------
@@ -387,13 +400,15 @@ class RingWorker(threading.Thread):
             descs = self._check_descs(h, key)
             problem = describe_difference(descs)
             counts = [int(d.get("count", 0)) for _, d in descs]
-            self.net.send({"t": "go", "k": key, "ok": problem is None, "err": problem, "counts": counts})
+            errc = error_class(descs)
+            self.net.send({"t": "go", "k": key, "ok": problem is None, "err": problem, "errc": errc,
+                           "counts": counts})
         except BirdnetError as exc:
             self._abort(key, f"rank 0: {exc}")
             self._finish(rnd, exc)
             return
         if problem is not None:
-            self._finish(rnd, RoundMismatchError(problem))
+            self._finish(rnd, from_wire({"error": errc, "message": problem}))
             return
         self._data_phase(rnd, RoundTransport(self.net, key), counts)
 
@@ -443,7 +458,7 @@ class RingWorker(threading.Thread):
         if self.rank != self.world - 1:
             self.net.send(g)
         if not g.get("ok"):
-            self._finish(rnd, RoundMismatchError(str(g.get("err"))))
+            self._finish(rnd, from_wire({"error": g.get("errc") or "RoundMismatchError", "message": str(g.get("err"))}))
             return
         counts = g.get("counts")
         if not isinstance(counts, list) or len(counts) != self.world:

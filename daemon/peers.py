@@ -154,10 +154,12 @@ class PeerNet:
         return out
 
     # -- sending ---------------------------------------------------------------------------------
-    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False):
+        """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
+        the returned MessageTracker tells when ZeroMQ no longer needs them."""
         frames = wire.encode(header, buffers)
         self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-        self.dealer.send_multipart(frames, copy=False)
+        return self.dealer.send_multipart(frames, copy=False, track=track and bool(buffers))
 
     def maybe_ping(self) -> None:
         now = time.monotonic()
@@ -297,13 +299,33 @@ class RoundTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
+        self.trackers: list[Any] = []
 
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
         h["k"] = self.key
         before = self.net.bytes_sent
-        self.net.send(h, buffers)
+        tracker = self.net.send(h, buffers, track=True)
+        if tracker is not None:
+            self.trackers.append(tracker)
         self.bytes_sent += self.net.bytes_sent - before
+
+    def flush(self, timeout: float) -> None:
+        """Wait until ZeroMQ has handed every buffer sent in this round to the kernel, so the
+        caller may modify or release them (they are sent without copying, often straight out of
+        a training process's shared memory)."""
+        deadline = time.monotonic() + timeout
+        for tr in self.trackers:
+            while not tr.done:
+                if time.monotonic() > deadline:
+                    raise PeerLostError(f"round {self.key}: right neighbour rank {self.net.right.rank} "
+                                        f"({self.net.right.address}) did not take our data within {timeout} s")
+                try:
+                    tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
+                except zmq.NotDone:
+                    pass
+                self.net.maybe_ping()
+        self.trackers.clear()
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         while True:

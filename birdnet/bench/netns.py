@@ -1,0 +1,110 @@
+"""Test hosts in network namespaces: one namespace per node, joined by veth pairs to a bridge that
+lives in a hub namespace of its own (nothing is added to the machine's own network), each node's
+link optionally shaped with a token bucket (``tc qdisc ... tbf``; netem is not assumed).
+
+Needs root and ``ip`` (iproute2). Used by ``birdnet bench allreduce --netns`` and by the tests.
+Everything is torn down on exit, also on Ctrl-C, and :func:`cleanup_stale` removes what a killed
+run left behind.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+PREFIX = "bn"
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when namespaces can be made here, else (False, the reason)."""
+    if os.geteuid() != 0:
+        return False, "needs root (ip netns)"
+    if shutil.which("ip") is None:
+        return False, "needs iproute2's ip"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"ip netns add failed: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return True, ""
+
+
+def _run(*cmd: str) -> None:
+    r = subprocess.run(list(cmd), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
+
+
+def cleanup_stale() -> None:
+    """Delete namespaces of earlier runs whose process is gone."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(PREFIX) and "-" in name:
+            pid = name[len(PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+class NetnsCluster:
+    """``n`` namespaces ``bn<pid>-<i>`` with addresses ``10.213.<k>.<i+1>``; ``rate`` like "1gbit"."""
+
+    def __init__(self, n: int, rate: str | None = None, *, subnet: int | None = None) -> None:
+        self.n, self.rate = n, rate
+        self.tag = f"{PREFIX}{os.getpid()}"
+        self.subnet = subnet if subnet is not None else os.getpid() % 250
+        self.hub = f"{self.tag}-hub"
+        self.names = [f"{self.tag}-{i}" for i in range(n)]
+        self.addresses = [f"10.213.{self.subnet}.{i + 1}" for i in range(n)]
+        self.created: list[str] = []
+
+    def __enter__(self) -> "NetnsCluster":
+        try:
+            self.setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def setup(self) -> None:
+        cleanup_stale()
+        _run("ip", "netns", "add", self.hub)
+        self.created.append(self.hub)
+        _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+        _run("ip", "-n", self.hub, "link", "set", "lo", "up")
+        for i, (ns, addr) in enumerate(zip(self.names, self.addresses)):
+            _run("ip", "netns", "add", ns)
+            self.created.append(ns)
+            # create the pair inside the hub, then move one end into the node's namespace
+            _run("ip", "-n", self.hub, "link", "add", f"p{i}", "mtu", "1500", "type", "veth", "peer", "name", "eth0", "mtu", "1500")
+            _run("ip", "-n", self.hub, "link", "set", "eth0", "netns", ns)
+            _run("ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0")
+            _run("ip", "-n", self.hub, "link", "set", f"p{i}", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate:
+                self.shape(i, self.rate)
+
+    def shape(self, i: int, rate: str) -> None:
+        """Token-bucket shaping of node i's egress (in a ring each node's ingress is its left
+        neighbour's egress, so every link direction in use is shaped)."""
+        subprocess.run(["tc", "-n", self.names[i], "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+        _run("tc", "-n", self.names[i], "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+             "burst", "512kb", "latency", "50ms")
+
+    def link(self, i: int, up: bool) -> None:
+        """Cut (``up=False``) or restore node i's link."""
+        _run("ip", "-n", self.names[i], "link", "set", "eth0", "up" if up else "down")
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.names[i]]
+
+    def teardown(self) -> None:
+        for ns in reversed(self.created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.created.clear()

@@ -1,0 +1,169 @@
+"""Real birdnetd processes on loopback with real training processes (spawned)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from birdnet.errors import DaemonUnavailableError
+from cluster import LocalCluster
+import workers
+
+SIZES = [0, 1, 3, 1000, 100003]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nodes,local", [(2, 1), (3, 2), (4, 1), (2, 3)])
+def test_sum_of_ranks_is_exact(tmp_path, nodes, local):
+    with LocalCluster(nodes, tmp_path, local_size=local) as cl:
+        results = cl.run(workers.fill_sum, SIZES)
+    total = nodes * local
+    expected = total * (total + 1) / 2
+    for per_proc in results:
+        for n, out in zip(SIZES, per_proc):
+            assert out.shape == (n,) and out.dtype == np.float32
+            assert np.all(out == expected)
+
+
+@pytest.mark.timeout(180)
+def test_random_mean_bit_identical_and_accurate(tmp_path):
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.random_mean, 100003, 7, "float32", 3)
+    for k in range(3):
+        ref = np.mean([r["inputs"][k].astype(np.float64) for r in res], axis=0)
+        for r in res:
+            assert r["outs"][k].tobytes() == res[0]["outs"][k].tobytes()
+        assert np.max(np.abs(res[0]["outs"][k] - ref)) < 1e-5
+    st = res[0]["stats"][0]
+    # dense ring: each node sends 2(N-1)/N of the tensor, counted at the transport
+    assert st["bytes_sent"] >= 2 * 2 / 3 * 100003 * 4
+    assert st["count"] == 3
+
+
+@pytest.mark.timeout(180)
+def test_collectives_dtypes_async_buffer(tmp_path):
+    with LocalCluster(2, tmp_path, local_size=2) as cl:
+        res = cl.run(workers.collectives)
+    for r in res:
+        assert r["size"] == 4
+        assert r["b"].dtype == np.float64 and np.all(r["b"] == 3.0)  # root = rank 3
+        assert r["f16"].dtype == np.float16 and np.all(r["f16"] == np.float16(1.5))
+        assert r["f64"].dtype == np.float64 and np.all(r["f64"] == 6.0)
+        assert r["i64"].dtype == np.int64 and r["i64"].tolist() == [0, 4, 8, 12]
+        assert np.all(r["buf"] == 6.0) and r["buf_same_memory"]
+        assert [a[0] for a in r["asyncs"]] == [0.0, 4.0, 8.0]
+        assert r["status"]["world"] == 2 and r["status"]["rounds_done"] >= 8
+    assert sorted(r["rank"] for r in res) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(180)
+def test_shape_mismatch_is_reported_everywhere_and_daemon_keeps_serving(tmp_path):
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.expect_error, [(10,), (10,), (11,)])
+    for err, ok in res:
+        assert err is not None and err[0] == "RoundMismatchError"
+        assert "shape" in err[1] and "'x'" in err[1] and "rank 2" in err[1]
+        assert ok == [3.0] * 5
+
+
+@pytest.mark.timeout(180)
+def test_dtype_mismatch_within_node(tmp_path):
+    with LocalCluster(1, tmp_path, local_size=2) as cl:
+        # both processes on node 0; the second one sends float64
+        res = cl.run(_mismatch_local)
+    for err, ok in res:
+        assert err is not None and err[0] in ("InputError", "RoundMismatchError") and "dtype" in err[1]
+        assert ok == [2.0] * 5
+
+
+def _mismatch_local(sock, node, local):
+    return workers.expect_error(sock, node, local, dtype_by_node=None if local == 0 else None) if False else \
+        _mm(sock, local)
+
+
+def _mm(sock, local):
+    from birdnet.client import Client
+    with Client(sock) as c:
+        try:
+            c.allreduce(np.ones(10, "float32" if c.local_rank == 0 else "float64"), name="x", timeout=30)
+            err = None
+        except Exception as exc:  # noqa: BLE001
+            err = (type(exc).__name__, str(exc))
+        ok = c.allreduce(np.ones(5, np.float32), op="sum", name="after", timeout=30)
+        return err, ok.tolist()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["propagate", "reject"])
+def test_nan_policy(tmp_path, policy):
+    with LocalCluster(2, tmp_path, extra=["--nan-policy", policy]) as cl:
+        res = cl.run(workers.nan_round)
+    for r in res:
+        if policy == "propagate":
+            assert r == ("ok", True, 1.0)
+        else:
+            assert r[0] == "error" and r[1] == "InputError" and "grad.nan" in r[2] and "NaN" in r[2]
+
+
+def test_daemon_not_running_fails_fast(tmp_path):
+    from birdnet.client import Client
+    t = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match="birdnetd"):
+        Client(str(tmp_path / "nothing.sock"))
+    assert time.monotonic() - t < 2.0
+
+
+def test_bad_input_rejected_client_side(tmp_path):
+    with LocalCluster(1, tmp_path) as cl:
+        from birdnet.client import Client
+        from birdnet.errors import InputError, CodecError
+        with Client(cl.sockets[0]) as c:
+            with pytest.raises(InputError, match="dtype object"):
+                c.allreduce(np.array([object()]))
+            with pytest.raises(InputError, match="op"):
+                c.allreduce(np.ones(3, np.float32), op="max")
+            with pytest.raises(InputError, match="int64"):
+                c.allreduce(np.ones(3, np.int64), op="mean")
+            with pytest.raises(CodecError, match="unknown codec"):
+                c.allreduce(np.ones(5000, np.float32), codec="nope")
+            assert c.allreduce(np.ones(3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
+def test_status_command(tmp_path):
+    with LocalCluster(2, tmp_path) as cl:
+        cl.run(workers.fill_sum, [10])
+        out = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[1], "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        st = json.loads(out.stdout)
+        assert st["rank"] == 1 and st["world"] == 2 and st["rounds_done"] >= 1
+        assert [p["state"] for p in st["peers"]] == ["connected", "self"]
+        assert st["bytes_sent"] > 0
+        text = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[0]],
+                              capture_output=True, text=True, timeout=30)
+        assert "rank 0 of 2" in text.stdout
+    missing = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", str(tmp_path / "x.sock")],
+                             capture_output=True, text=True, timeout=30)
+    assert missing.returncode == 1 and "no birdnetd" in missing.stderr
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_exits_zero_and_cleans_shared_memory(tmp_path):
+    import os
+    cl = LocalCluster(2, tmp_path).start()
+    try:
+        cl.run(workers.fill_sum, [1000])
+    finally:
+        codes = cl.stop()
+    assert codes == [0, 0]
+    for i in range(2):
+        assert not os.path.exists(cl.sockets[i])
+    import hashlib
+    prefixes = ["bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() for s in cl.sockets]
+    leftovers = [f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)]
+    assert leftovers == []

@@ -1,0 +1,71 @@
+"""Training-process stand-ins run by tests in spawned processes (module-level so spawn can import them)."""
+from __future__ import annotations
+
+import numpy as np
+
+from birdnet.client import Client
+
+
+def fill_sum(sock, node, local, sizes, job="default"):
+    """allreduce(sum) of np.full(n, global rank + 1) for each n; returns results."""
+    with Client(sock, job=job) as c:
+        return [c.allreduce(np.full(n, c.rank + 1, np.float32), op="sum", name=f"t{n}") for n in sizes]
+
+
+def random_mean(sock, node, local, n, seed, dtype="float32", rounds=1, codec=None, params=None):
+    with Client(sock) as c:
+        rng = np.random.default_rng(seed + 1000 * c.rank)
+        outs, inputs, stats = [], [], []
+        for i in range(rounds):
+            x = rng.standard_normal(n).astype(dtype)
+            h = c.allreduce_async(x, name="w", codec=codec, **(params or {}))
+            outs.append(h.wait(60))
+            inputs.append(x)
+            stats.append(h.stats)
+        return {"rank": c.rank, "size": c.size, "inputs": inputs, "outs": outs, "stats": stats}
+
+
+def expect_error(sock, node, local, shape_by_node=None, dtype_by_node=None, name="x"):
+    """Submit a tensor whose shape/dtype may differ by node; return (error class name, message) or None."""
+    with Client(sock) as c:
+        shape = shape_by_node[node] if shape_by_node else (10,)
+        dtype = dtype_by_node[node] if dtype_by_node else "float32"
+        try:
+            c.allreduce(np.ones(shape, dtype), name=name, timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            err = (type(exc).__name__, str(exc))
+        else:
+            err = None
+        # the daemon keeps serving: the next round works
+        ok = c.allreduce(np.ones(5, np.float32), op="sum", name="after", timeout=30)
+        return err, ok.tolist()
+
+
+def collectives(sock, node, local):
+    with Client(sock) as c:
+        b = c.broadcast(np.full(6, float(c.rank), np.float64), root=c.size - 1)
+        c.barrier(timeout=30)
+        f16 = c.allreduce(np.full(4, 1.5, np.float16), op="mean")
+        f64 = c.allreduce(np.full(3, c.rank, np.float64), op="sum")
+        i64 = c.allreduce(np.arange(4, dtype=np.int64), op="sum")
+        buf = c.buffer((7,), np.float32)
+        buf[:] = c.rank
+        r = c.allreduce(buf, op="sum")
+        handles = [c.allreduce_async(np.full(100, i, np.float32), op="sum", name=f"a{i}") for i in range(3)]
+        asyncs = [h.wait(30) for h in handles]
+        c.reset_state()
+        return {"rank": c.rank, "size": c.size, "b": b, "f16": f16, "f64": f64, "i64": i64, "buf": r,
+                "buf_same_memory": bool(np.shares_memory(r, buf)), "asyncs": asyncs,
+                "status": c.status()}
+
+
+def nan_round(sock, node, local):
+    with Client(sock) as c:
+        x = np.ones(2000, np.float32)
+        if c.rank == 0:
+            x[3] = np.nan
+        try:
+            out = c.allreduce(x, name="grad.nan", timeout=30)
+            return ("ok", bool(np.isnan(out[3])), float(out[4]))
+        except Exception as exc:  # noqa: BLE001
+            return ("error", type(exc).__name__, str(exc))
