@@ -98,7 +98,7 @@ def _keep_word(seed, word, thresh, undecided):
 
 # --------------------------------------------------------------------------------------------
 # pack / unpack
-@njit([types.void(_F4, _U8), types.void(_F4R, _U8)], cache=True)
+@njit([types.void(_F4, _U8), types.void(_F4R, _U8)], cache=True, nogil=True)
 def _pack(x, out):
     n = x.shape[0]
     full = n // 8
@@ -116,14 +116,14 @@ def _pack(x, out):
         out[full] = v
 
 
-@njit([types.void(_U8, types.float32, _F4), types.void(_U8R, types.float32, _F4)], cache=True)
+@njit([types.void(_U8, types.float32, _F4), types.void(_U8R, types.float32, _F4)], cache=True, nogil=True)
 def _unpack(bits, v, out):
     n = out.shape[0]
     for i in range(n):
         out[i] = v if (bits[i >> 3] >> (i & 7)) & 1 else -v
 
 
-@njit([types.void(_U8, types.float32, _F4), types.void(_U8R, types.float32, _F4)], cache=True)
+@njit([types.void(_U8, types.float32, _F4), types.void(_U8R, types.float32, _F4)], cache=True, nogil=True)
 def _unpack_add(bits, v, out):
     n = out.shape[0]
     for i in range(n):
@@ -134,7 +134,7 @@ def _unpack_add(bits, v, out):
 # merge
 @njit([types.void(_U8, _U8, _U8, types.uint64, types.uint64),
        types.void(_U8R, _U8, _U8, types.uint64, types.uint64),
-       types.void(_U8R, _U8R, _U8, types.uint64, types.uint64)], cache=True)
+       types.void(_U8R, _U8R, _U8, types.uint64, types.uint64)], cache=True, nogil=True)
 def _merge(a, b, out, thresh, seed):
     nb = a.shape[0]
     words = (nb + 7) // 8
@@ -155,7 +155,7 @@ def _merge(a, b, out, thresh, seed):
             out[start + i] = np.uint8((ow >> np.uint64(8 * i)) & _B8)
 
 
-@njit(types.void(types.uint64, types.uint64, _U8), cache=True)
+@njit(types.void(types.uint64, types.uint64, _U8), cache=True, nogil=True)
 def _mask(thresh, seed, out):
     nb = out.shape[0]
     words = (nb + 7) // 8
@@ -167,7 +167,7 @@ def _mask(thresh, seed, out):
             out[start + i] = np.uint8((m >> np.uint64(8 * i)) & _B8)
 
 
-@njit(types.void(_U8, _U8, _U8, _U8), cache=True)
+@njit(types.void(_U8, _U8, _U8, _U8), cache=True, nogil=True)
 def _merge_paper(a, b, v, out):
     for i in range(a.shape[0]):
         out[i] = (a[i] & b[i]) | ((a[i] ^ b[i]) & v[i])
@@ -175,14 +175,14 @@ def _merge_paper(a, b, v, out):
 
 # --------------------------------------------------------------------------------------------
 # float kernels of the codecs (compensation, momentum, scale, cascade hop)
-@njit([types.void(_F4, types.float32, _F4, _F4), types.void(_F4R, types.float32, _F4, _F4)], cache=True)
+@njit([types.void(_F4, types.float32, _F4, _F4), types.void(_F4R, types.float32, _F4, _F4)], cache=True, nogil=True)
 def _prepare(x, inv_w, c, p):
     for i in range(x.shape[0]):
         p[i] = x[i] * inv_w + c[i]
 
 
 @njit([types.void(_F4, types.float32, types.float32, _F4, _F4, _F4),
-       types.void(_F4R, types.float32, types.float32, _F4, _F4, _F4)], cache=True)
+       types.void(_F4R, types.float32, types.float32, _F4, _F4, _F4)], cache=True, nogil=True)
 def _prepare_momentum(x, inv_w, mu, u, c, p):
     for i in range(x.shape[0]):
         ui = mu * u[i] + x[i] * inv_w
@@ -190,7 +190,7 @@ def _prepare_momentum(x, inv_w, mu, u, c, p):
         p[i] = ui + c[i]
 
 
-@njit([types.float64(_F4), types.float64(_F4R)], cache=True)
+@njit([types.float64(_F4), types.float64(_F4R)], cache=True, nogil=True)
 def _abs_sum(x):
     s = 0.0
     for i in range(x.shape[0]):
@@ -198,7 +198,7 @@ def _abs_sum(x):
     return s
 
 
-@njit([types.float64(_F4), types.float64(_F4R)], cache=True)
+@njit([types.float64(_F4), types.float64(_F4R)], cache=True, nogil=True)
 def _sq_sum(x):
     s = 0.0
     for i in range(x.shape[0]):
@@ -207,20 +207,20 @@ def _sq_sum(x):
     return s
 
 
-@njit(types.void(_F4, types.float32, _F4), cache=True)
+@njit(types.void(_F4, types.float32, _F4), cache=True, nogil=True)
 def _sub_signs(p, v, out):
     for i in range(p.shape[0]):
         out[i] = p[i] - v if p[i] >= 0 else p[i] + v
 
 
-@njit(types.void(_F4, _F4, types.float32, _F4), cache=True)
+@njit(types.void(_F4, _F4, types.float32, _F4), cache=True, nogil=True)
 def _sub_scaled(p, r, f, out):
     for i in range(p.shape[0]):
         out[i] = p[i] - r[i] * f
 
 
 @njit([types.float64(_U8, types.float32, _F4, types.float32, _U8),
-       types.float64(_U8R, types.float32, _F4, types.float32, _U8)], cache=True)
+       types.float64(_U8R, types.float32, _F4, types.float32, _U8)], cache=True, nogil=True)
 def _cascade_hop(a, va, p, wb, out):
     n = p.shape[0]
     total = 0.0
