@@ -1,0 +1,188 @@
+"""The socket-free core: hosts file, wire format, settings, ring algorithms over MemoryRing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from birdnet import wire
+from birdnet.config import Settings, load_settings
+from birdnet.errors import ConfigError, ProtocolError, RoundMismatchError, VersionMismatchError
+from birdnet.hosts import parse_hosts
+from birdnet.ring.dense import ring_allreduce, segment_bounds
+from birdnet.ring.gather import ring_allgather
+from birdnet.ring.transport import MemoryRing
+
+
+# -- hosts ------------------------------------------------------------------------------------------
+def test_hosts_parse_comments_blank_ipv6():
+    peers = parse_hosts("# ring\n\nnode-a:5000  # first\n10.0.0.2:5001\n[fe80::1]:5002\n", "h.txt")
+    assert [(p.rank, p.host, p.port) for p in peers] == [(0, "node-a", 5000), (1, "10.0.0.2", 5001), (2, "fe80::1", 5002)]
+    assert peers[2].endpoint() == "tcp://[fe80::1]:5002"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("a:5000\nb\n", "h.txt:2"),
+    ("a:5000\nb:x\n", "port 'x'"),
+    ("a:70000\n", "outside 1..65535"),
+    ("a:5000\nA:5000\n", "duplicates line 1"),
+    ("# nothing\n", "no 'host:port'"),
+    ("a:1 b:2\n", "h.txt:1"),
+])
+def test_hosts_errors_name_file_and_line(text, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        parse_hosts(text, "h.txt")
+
+
+# -- wire -------------------------------------------------------------------------------------------
+def test_wire_roundtrip_zero_copy_views():
+    a = np.arange(10, dtype=np.float32)
+    frames = wire.encode({"t": "data", "x": 1}, [a, b"xy"])
+    h, bufs = wire.decode([bytes(f) for f in frames], max_bytes=1000)
+    assert h["t"] == "data" and h["x"] == 1 and h["sizes"] == [40, 2]
+    assert np.array_equal(np.frombuffer(bufs[0], np.float32), a) and bytes(bufs[1]) == b"xy"
+
+
+@pytest.mark.parametrize("frames,exc,needle", [
+    ([b"birdnet/1"], ProtocolError, "at least 2"),
+    ([b"birdnet/9", b"\x80"], VersionMismatchError, "birdnet/9"),
+    ([b"http/1.1", b"\x80"], ProtocolError, "bad protocol id"),
+    ([b"birdnet/1", b"\xc1"], ProtocolError, "msgpack"),
+    ([b"birdnet/1", b"\x93\x01\x02\x03"], ProtocolError, "map"),
+])
+def test_wire_rejects_garbage(frames, exc, needle):
+    with pytest.raises(exc, match=needle):
+        wire.decode(frames, max_bytes=100)
+
+
+def test_wire_checks_sizes_before_trusting_them():
+    import msgpack
+    h = msgpack.packb({"t": "data", "nbuf": 1, "sizes": [10**12]})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+    h = msgpack.packb({"t": "data", "nbuf": 1, "sizes": [5]})
+    with pytest.raises(ProtocolError, match="has 1 bytes"):
+        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+    with pytest.raises(ProtocolError, match="over the"):
+        wire.decode([b"birdnet/1", b"\x00" * (wire.MAX_HEADER_BYTES + 1)], max_bytes=10)
+    h = msgpack.packb({"t": "data", "nbuf": 2, "sizes": [1, 1]})
+    with pytest.raises(ProtocolError, match="announces 2"):
+        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+
+
+# -- settings ---------------------------------------------------------------------------------------
+def test_settings_precedence(tmp_path):
+    cfg = tmp_path / "b.toml"
+    cfg.write_text('peers = "hosts.txt"\npeer_timeout = 7.0\nlocal_size = 3\ncodec = "topk"\n'
+                   'codec_params = { density = 0.01 }\n')
+    s = load_settings({"local_size": 2}, config=str(cfg), environ={"BIRDNET_PEER_TIMEOUT": "9"})
+    assert s.local_size == 2  # flag over file
+    assert s.peer_timeout == 9.0  # environment over file
+    assert s.codec == "topk" and s.codec_params == {"density": 0.01}
+    assert s.peers == str(tmp_path / "hosts.txt")  # relative to the config file
+    assert load_settings({}, environ={}).peer_timeout == Settings().peer_timeout
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"local_size": 0}, "local_size"),
+    ({"peer_timeout": 1.0, "heartbeat_interval": 0.8}, "half of peer_timeout"),
+    ({"nan_policy": "ignore"}, "nan_policy"),
+])
+def test_settings_validation(kw, needle):
+    with pytest.raises(ConfigError, match=needle):
+        Settings(**kw)
+
+
+def test_settings_bad_file_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("peers = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings({}, config=str(bad), environ={})
+    bad.write_text("perr_timeout = 3\n")
+    with pytest.raises(ConfigError, match="unknown setting 'perr_timeout'"):
+        load_settings({}, config=str(bad), environ={})
+    with pytest.raises(ConfigError, match="BIRDNET_LOCAL_SIZE"):
+        load_settings({}, environ={"BIRDNET_LOCAL_SIZE": "two"})
+
+
+def test_fingerprint_covers_cluster_wide_settings_only():
+    assert Settings(codec="topk").fingerprint() != Settings().fingerprint()
+    assert Settings(peer_timeout=20.0).fingerprint() == Settings().fingerprint()
+
+
+# -- ring over the in-memory transport -------------------------------------------------------------
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("n", [0, 1, 3, 1000, 100003])
+def test_dense_ring_sum_bit_identical(world, n):
+    rng = np.random.default_rng(world * 100003 + n)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    ring = MemoryRing(world)
+    res = ring.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096))
+    for r in res:
+        assert r.dtype == np.float32 and r.shape == (n,)
+        assert r.tobytes() == res[0].tobytes()
+    ref = np.sum(np.array(xs, dtype=np.float64), axis=0) if n else np.zeros(0)
+    assert np.allclose(res[0], ref, atol=1e-5 * world)
+    for x, t in zip(xs, ring.transports):  # the input is left alone
+        assert t.bytes_sent == (0 if world == 1 else sum(sz for _, szs in t.messages_sent for sz in szs))
+    if world > 1 and n >= world:
+        # bandwidth-optimal: each rank sends 2 (world-1)/world of the vector
+        assert abs(ring.transports[0].bytes_sent - 2 * (world - 1) * 4 * n / world) <= 8 * world
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_dense_ring_integer_sum_exact_and_fp16_wire(world):
+    xs = [np.full(1001, r + 1, np.int64) for r in range(world)]
+    ring = MemoryRing(world)
+    res = ring.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096))
+    assert all(np.all(r == world * (world + 1) // 2) for r in res)
+    ys = [np.random.default_rng(r).standard_normal(5000).astype(np.float32) for r in range(world)]
+    ring = MemoryRing(world)
+    res = ring.run(lambda t: ring_allreduce(t, ys[t.rank], timeout=10, chunk_bytes=4096, wire_dtype=np.float16))
+    assert all(r.tobytes() == res[0].tobytes() for r in res)
+    assert np.allclose(res[0], np.sum(ys, axis=0), atol=0.02 * world)
+
+
+def test_segment_bounds_alignment():
+    b = segment_bounds(1003, 4, align=8)
+    assert b[0] == 0 and b[-1] == 1003 and all(x % 8 == 0 for x in b[:-1])
+    assert segment_bounds(2, 4) == [0, 1, 2, 2, 2]
+
+
+def test_dense_ring_tag_mismatch_fails_everywhere_without_hanging():
+    ring = MemoryRing(4)
+    xs = [np.ones(100, np.float32) for _ in range(4)]
+    errors = []
+
+    def fn(t):
+        try:
+            ring_allreduce(t, xs[t.rank], timeout=5, tag={"digest": 1 if t.rank != 2 else 2})
+        except RoundMismatchError as exc:
+            errors.append(str(exc))
+            return "mismatch"
+        return "ok"
+
+    assert ring.run(fn, timeout=20) == ["mismatch"] * 4
+    assert all("digest" in e for e in errors)
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_allgather_payloads_in_rank_order(world):
+    ring = MemoryRing(world)
+
+    def fn(t):
+        return ring_allgather(t, {"who": t.rank}, [np.full(t.rank + 1, t.rank, np.int32)], timeout=5)
+
+    for got in ring.run(fn):
+        for r, (h, bufs) in enumerate(got):
+            assert h["who"] == r
+            assert np.array_equal(np.frombuffer(bufs[0], np.int32) if not isinstance(bufs[0], np.ndarray) else bufs[0],
+                                  np.full(r + 1, r, np.int32))
+
+
+def test_lost_neighbour_is_an_error_not_a_hang():
+    from birdnet.errors import PeerLostError
+    ring = MemoryRing(3)
+    with pytest.raises(PeerLostError, match="rank"):
+        # rank 2 never takes part
+        ring.run(lambda t: None if t.rank == 2 else ring_allreduce(t, np.ones(10, np.float32), timeout=0.5),
+                 timeout=10)
