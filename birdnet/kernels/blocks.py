@@ -49,6 +49,18 @@ def _block_norms(x, b, out):
         out[j] = _block_l1(x, j * b, min(n, (j + 1) * b))
 
 
+@njit("void(float32[::1], int64, float32[::1])", cache=True)
+def _block_norms_serial(x, b, out):
+    # same per-block arithmetic as _block_norms (bit-identical); no thread launch for small tensors
+    n = x.shape[0]
+    for j in range(out.shape[0]):
+        out[j] = _block_l1(x, j * b, min(n, (j + 1) * b))
+
+
+#: below this many elements the serial kernels win (a parallel launch costs ~0.1-0.3 ms)
+SERIAL_BELOW = 1 << 16
+
+
 @njit("void(float32[::1], float32[::1], float32[::1], float32, int64, float32[::1])",
       cache=True, parallel=True)
 def _accumulate_norms(x, u, v, momentum, b, out):
@@ -76,7 +88,7 @@ def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
     if out is None:
         out = np.empty(m, np.float32)
     _check(out, np.float32, "block_norms out", m)
-    _block_norms(x, np.int64(b), out)
+    (_block_norms if x.shape[0] >= SERIAL_BELOW else _block_norms_serial)(x, np.int64(b), out)
     return out
 
 
@@ -239,34 +251,56 @@ def _sample_norms(a, seed, s, out):
 
 # -- gather / scatter / clear (O(kept blocks)) ----------------------------------------------------
 
+@njit(cache=True, inline="always")
+def _gather_one(x, b, ids, scale, out, j):
+    n = x.shape[0]
+    lo = ids[j] * b
+    hi = min(n, lo + b)
+    s = np.float32(scale[j])
+    base = j * b
+    for i in range(lo, hi):
+        out[base + i - lo] = x[i] * s
+    for i in range(hi - lo, b):
+        out[base + i] = 0.0
+
+
 @njit(cache=True, parallel=True)
 def _gather_blocks(x, b, ids, scale, out):
-    n = x.shape[0]
     for j in prange(ids.shape[0]):
-        lo = ids[j] * b
-        hi = min(n, lo + b)
-        s = np.float32(scale[j])
-        base = j * b
+        _gather_one(x, b, ids, scale, out, j)
+
+
+@njit(cache=True)
+def _gather_blocks_serial(x, b, ids, scale, out):
+    for j in range(ids.shape[0]):
+        _gather_one(x, b, ids, scale, out, j)
+
+
+@njit(cache=True, inline="always")
+def _scatter_one(vals, b, ids, out, add, j):
+    n = out.shape[0]
+    lo = np.int64(ids[j]) * b
+    hi = min(n, lo + b)
+    base = j * b
+    if add:
         for i in range(lo, hi):
-            out[base + i - lo] = x[i] * s
-        for i in range(hi - lo, b):
-            out[base + i] = 0.0
+            out[i] += np.float32(vals[base + i - lo])
+    else:
+        for i in range(lo, hi):
+            out[i] = np.float32(vals[base + i - lo])
 
 
 @njit(cache=True, parallel=True)
 def _scatter_blocks(vals, b, ids, out, add):
     # ids are distinct (validated) so parallel writes never collide
-    n = out.shape[0]
     for j in prange(ids.shape[0]):
-        lo = np.int64(ids[j]) * b
-        hi = min(n, lo + b)
-        base = j * b
-        if add:
-            for i in range(lo, hi):
-                out[i] += np.float32(vals[base + i - lo])
-        else:
-            for i in range(lo, hi):
-                out[i] = np.float32(vals[base + i - lo])
+        _scatter_one(vals, b, ids, out, add, j)
+
+
+@njit(cache=True)
+def _scatter_blocks_serial(vals, b, ids, out, add):
+    for j in range(ids.shape[0]):
+        _scatter_one(vals, b, ids, out, add, j)
 
 
 @njit(cache=True, parallel=True)
@@ -359,7 +393,8 @@ def gather_blocks(x: np.ndarray, b: int, ids: np.ndarray, scale: np.ndarray,
     _check(x, np.float32, "gather_blocks x")
     _check(out, np.float32, "gather_blocks out", ids.shape[0] * b)
     if ids.shape[0]:
-        _gather_blocks(x, np.int64(b), ids, scale, out)
+        kern = _gather_blocks if out.shape[0] >= SERIAL_BELOW else _gather_blocks_serial
+        kern(x, np.int64(b), ids, scale, out)
     return out
 
 
@@ -371,7 +406,8 @@ def scatter_blocks(vals: np.ndarray, b: int, ids: np.ndarray, out: np.ndarray, a
     if ids.shape[0]:
         if vals.dtype != np.float32:  # Numba has no float16 arrays: widen the (small) payload
             vals = vals.astype(np.float32)
-        _scatter_blocks(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
+        kern = _scatter_blocks if vals.shape[0] >= SERIAL_BELOW else _scatter_blocks_serial
+        kern(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
 
 
 def subtract_sent(v: np.ndarray, u: np.ndarray | None, b: int, ids: np.ndarray, sent: np.ndarray) -> None:

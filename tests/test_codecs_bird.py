@@ -1,0 +1,254 @@
+"""bird / birdplus: the properties of ../shared/papers/bird.md section 3, fixed seeds, stated tolerances."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from _codec_sim import contexts, sim_round
+from birdnet.codecs import get_codec
+
+BOTH = ["bird", "birdplus"]
+
+
+def grad(n, seed=0, b=8):
+    # heterogeneous block magnitudes, like a real gradient
+    rs = np.random.default_rng(seed)
+    scale = np.repeat(rs.exponential(1.0, -(-n // b)), b)[:n]
+    return (rs.standard_normal(n) * scale).astype(np.float32)
+
+
+def decompress_one(codec, x, ctx, state=None):
+    p = codec.compress(x, ctx, state)
+    out = np.zeros(x.shape[0], np.float32)
+    codec.decompress_add(p, out, ctx)
+    return out, p
+
+
+def plain(name, **kw):
+    # the paper's form: no error feedback, exact 1/p scaling
+    return get_codec(name, **{"error_feedback": False, "scale": "exact", **kw})
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_density_one_is_exact_and_zero_gives_zero(name):
+    n = 1001
+    c = plain(name, density=1.0, block=8)
+    x = grad(n)
+    out, _ = decompress_one(c, x, contexts(n)[0])
+    np.testing.assert_array_equal(out, x)
+    out, p = decompress_one(c, np.zeros(n, np.float32), contexts(n)[0])
+    assert not out.any() and p.header["k"] == 0 and np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_whole_blocks_only_and_zero_blocks_never_kept(name):
+    n, b = 4000, 8
+    c = plain(name, density=0.2, block=b)
+    x = grad(n)
+    x[: n // 2] = 0.0  # half the blocks are zero
+    for s in range(20):
+        out, p = decompress_one(c, x, contexts(n, seed=s)[0])
+        ids = p.buffers[0].astype(np.int64)
+        assert np.all(ids >= (n // 2) // b)
+        kept = np.zeros(n, bool)
+        for i in ids:
+            kept[i * b:(i + 1) * b] = True
+        assert not out[~kept].any()
+        np.testing.assert_allclose(out[kept] / x[kept], np.repeat(out[kept][::b] / x[kept][::b], b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_unbiased_with_exact_scaling(name):
+    # property 3: per block, mean over trials within 5 sigma of the truth (sigma from the sample)
+    n, b, trials = 256, 8, 1500
+    c = plain(name, density=0.25, block=b, **({"gamma": 1.0} if name == "birdplus" else {}))
+    x = grad(n, 3, b)
+    acc = np.zeros(n)
+    acc2 = np.zeros(n)
+    for t in range(trials):
+        out, _ = decompress_one(c, x, contexts(n, seed=1000 + t)[0])
+        acc += out
+        acc2 += out.astype(np.float64) ** 2
+    mean = acc / trials
+    sd = np.sqrt(np.maximum(acc2 / trials - mean**2, 0.0) / trials)
+    assert np.all(np.abs(mean - x) <= 5 * sd + 1e-5 * np.abs(x).max())
+    # L1 invariance (property 4): mean L1 within 5 sigma
+    l1s = []
+    for t in range(trials):
+        out, _ = decompress_one(c, x, contexts(n, seed=9000 + t)[0])
+        l1s.append(np.abs(out.astype(np.float64)).sum())
+    l1s = np.array(l1s)
+    l1 = np.abs(x.astype(np.float64)).sum()
+    # (+ float32 rounding: birdplus with gamma 1 keeps the L1 norm almost exactly on every draw)
+    assert abs(l1s.mean() - l1) <= 5 * l1s.std() / np.sqrt(trials) + 1e-6 * l1
+
+
+def test_bird_density_within_15_percent():
+    n, b, rho = 400_000, 8, 0.01
+    c = get_codec("bird", density=rho, block=b, error_feedback=False)
+    m = n // b
+    for s in range(5):
+        _, p = decompress_one(c, grad(n, s, b), contexts(n, seed=s)[0])
+        assert abs(p.header["k"] - rho * m) <= 0.15 * rho * m, p.header["k"]
+
+
+@pytest.mark.parametrize("n,b,rho", [(100_000, 32, 0.01), (1001, 8, 0.05), (5, 32, 0.01), (65, 32, 0.001),
+                                     (64 * 1000, 64, 0.3)])
+def test_birdplus_exactly_k_blocks(n, b, rho):
+    c = get_codec("birdplus", density=rho, block=b, error_feedback=False)
+    m = -(-n // b)
+    want = max(1, int(np.floor(rho * m + 0.5)))
+    for s in range(5):
+        _, p = decompress_one(c, grad(n, s, b), contexts(n, seed=s)[0])
+        assert p.header["k"] == want
+
+
+def test_payload_size_formula_and_ratio_vs_topk():
+    b, m, rho = 4, 70_000, 0.01  # m > 65536: uint32 ids
+    n = b * m
+    x = grad(n, 1, b)
+    c = get_codec("birdplus", density=rho, block=b, error_feedback=False)
+    _, p = decompress_one(c, x, contexts(n)[0])
+    k = p.header["k"]
+    assert p.nbytes == k * 4 + k * b * 4
+    t = get_codec("topk", density=rho, error_feedback=False).compress(x, contexts(n)[0], None)
+    assert t.nbytes / p.nbytes == pytest.approx(2 * b / (b + 1), rel=0.01)
+    # small tensors use uint16 ids, float16 halves the values
+    c16 = get_codec("birdplus", density=0.1, block=32, value_dtype="float16", error_feedback=False)
+    p16 = c16.compress(grad(3200), contexts(3200)[0], None)
+    assert p16.buffers[0].dtype == np.uint16 and p16.nbytes == 10 * 2 + 10 * 32 * 2
+
+
+@pytest.mark.parametrize("name", BOTH)
+@pytest.mark.parametrize("mode", ["local", "shared"])
+def test_same_seed_identical_and_no_residual_state(name, mode):
+    n = 10_000
+    c = get_codec(name, mode=mode, error_feedback=False)
+    st = c.new_state(n)
+    if mode == "local":
+        assert st is None
+    else:
+        assert set(st) == {"imp"} and c.state_nbytes(st) == 4 * -(-n // 32)
+    x = grad(n)
+    p1 = c.compress(x, contexts(n)[0], st)
+    p2 = c.compress(x, contexts(n)[0], st)
+    if mode == "local":
+        for a, b in zip(p1.buffers, p2.buffers):
+            np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_array_equal(p1.values, p2.values)
+        assert p1.header == p2.header
+    np.testing.assert_array_equal(x, grad(n))  # input untouched
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_shared_selection_identical_across_nodes(name):
+    n = 50_000
+    c = get_codec(name, mode="shared", error_feedback=False, scale="none")
+    states = [c.new_state(n) for _ in range(4)]
+    for rnd in range(4):
+        xs = [grad(n, 10 * rnd + r) for r in range(4)]
+        cs = contexts(n, rnd=rnd)
+        pays = [c.compress(x, ctx, s) for x, ctx, s in zip(xs, cs, states)]
+        assert len({p.header["digest"] for p in pays}) == 1
+        out, _ = sim_round(c, xs, states, rnd)  # also runs after_round on every node
+        for s in states[1:]:
+            np.testing.assert_array_equal(s["imp"], states[0]["imp"])
+        # the kept blocks carry the exact sum of the nodes' blocks (scale none)
+        kept = out != 0
+        np.testing.assert_allclose(out[kept], sum(xs)[kept], rtol=1e-5, atol=1e-5)
+    assert (states[0]["imp"] >= 0).sum() > 0  # importance was learnt from global results
+
+
+def test_error_feedback_carries_the_remainder():
+    n, b = 1024, 8
+    c = get_codec("birdplus", density=0.1, block=b)  # defaults: error feedback, no scaling
+    st = c.new_state(n)
+    x = grad(n, 5, b)
+    total = np.zeros(n, np.float32)
+    zero = np.zeros(n, np.float32)
+    for r in range(12):  # K = 13 of 128 blocks per round: everything is sent within 10 rounds
+        out, _ = decompress_one(c, x if r == 0 else zero, contexts(n, rnd=r)[0], st)
+        total += out
+        np.testing.assert_allclose(total + st["v"], x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(total, x)
+    assert not st["v"].any()
+
+
+def test_momentum_correction_reference():
+    n, b, mom = 512, 8, 0.9
+    c = get_codec("birdplus", density=0.25, block=b, momentum=mom)
+    st = c.new_state(n)
+    u = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    for r in range(5):
+        x = grad(n, r, b)
+        out, p = decompress_one(c, x, contexts(n, rnd=r)[0], st)
+        u = np.float32(mom) * u + x
+        v = v + u
+        kept = out != 0
+        np.testing.assert_array_equal(out[kept], v[kept])
+        v[kept] = 0
+        u[kept] = 0
+        np.testing.assert_array_equal(st["v"], v)
+        np.testing.assert_array_equal(st["u"], u)
+
+
+def test_edge_cases_small_and_dominant():
+    c = get_codec("birdplus", density=0.01, block=32, error_feedback=False)
+    for n in (1, 5, 31, 33, 97):
+        x = grad(n)
+        out, p = decompress_one(c, x, contexts(n)[0])
+        assert p.header["k"] == 1 and out.shape == (n,)
+    n = 32 * 100
+    x = np.full(n, 1e-3, np.float32)
+    x[32 * 41: 32 * 42] = 100.0  # one dominant block is kept (gamma 4 makes the others negligible)
+    for s in range(10):
+        _, p = decompress_one(c, x, contexts(n, seed=s)[0])
+        assert list(p.buffers[0]) == [41]
+
+
+_THREADS_SCRIPT = textwrap.dedent("""
+    import json, sys, numpy as np, numba
+    sys.path.insert(0, {tests!r})
+    from _codec_sim import contexts
+    from birdnet.codecs import get_codec
+    res = {{"threads": numba.get_num_threads()}}
+    n = 300_003
+    x = (np.random.default_rng(1).standard_normal(n) * np.repeat(np.random.default_rng(2).exponential(1, n // 32 + 1), 32)[:n]).astype(np.float32)
+    for name in ("bird", "birdplus"):
+        c = get_codec(name, mode="shared", error_feedback=True, momentum=0.5)
+        st = c.new_state(n)
+        digests = []
+        for r in range(3):
+            p = c.compress(x, contexts(n, rnd=r)[0], st)
+            digests.append(p.header["digest"])
+            out = np.empty(n, np.float32)
+            c.decompress(p, out, contexts(n, rnd=r)[0], st)
+            c.after_round(st, out * np.float32(4), contexts(n, rnd=r)[0])
+        res[name] = [digests, int(np.frombuffer(st["imp"].tobytes(), np.uint32).astype(np.uint64).sum()),
+                     float(np.abs(st["v"]).sum())]
+    print(json.dumps(res))
+""")
+
+
+def test_shared_selection_identical_across_thread_counts():
+    import birdnet
+    root = os.path.dirname(os.path.dirname(birdnet.__file__))
+    script = _THREADS_SCRIPT.format(tests=os.path.dirname(__file__))
+    results = []
+    for threads in ("1", "2"):
+        env = {**os.environ, "NUMBA_NUM_THREADS": threads,
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        results.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert results[0]["threads"] == 1 and results[1]["threads"] == 2
+    for name in ("bird", "birdplus"):
+        assert results[0][name] == results[1][name]
