@@ -1,0 +1,65 @@
+"""``birdnet demo`` end to end, and Ctrl-C leaves nothing behind."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+
+def _birdnet_processes() -> set[int]:
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"birdnet.daemon.main" in cmd and b"birdnet-demo-" in cmd:
+                out.add(int(pid))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_demo_trains_and_cleans_up():
+    before_shm = set(os.listdir("/dev/shm"))
+    r = subprocess.run([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "3", "--epochs", "4", "--json"],
+                       capture_output=True, text=True, timeout=200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["accuracy"] > 0.85  # digits, 4 epochs: ~0.93 in practice
+    assert res["identical_parameters_on_all_nodes"] and res["daemon_exit_codes"] == [0, 0, 0]
+    assert res["bytes_sent_per_worker"] > 0
+    assert not _birdnet_processes()
+    assert {f for f in set(os.listdir("/dev/shm")) - before_shm if f.startswith("bn")} == set()
+
+
+@pytest.mark.timeout(120)
+def test_demo_ctrl_c_leaves_nothing():
+    before_shm = set(os.listdir("/dev/shm"))
+    p = subprocess.Popen([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "2", "--epochs", "50"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        seen = ""
+        while "epoch" not in seen and time.monotonic() < deadline:
+            seen += p.stdout.read(1) or ""
+            if p.poll() is not None:
+                break
+        assert "epoch" in seen, seen
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130
+    time.sleep(0.5)
+    assert not _birdnet_processes()
+    assert {f for f in set(os.listdir("/dev/shm")) - before_shm if f.startswith("bn")} == set()
