@@ -415,6 +415,8 @@ class Daemon:
             except queue.Empty:
                 return
             self.bytes_sent_total += int(rnd.stats.get("bytes_sent", 0) or 0)
+            if self.metrics is not None:
+                self.metrics.observe_round(rnd)
             for session, call, slot in rnd.callers:
                 if session is None or self.sessions.get(session.identity) is not session:
                     continue  # the process is gone
