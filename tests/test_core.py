@@ -186,3 +186,13 @@ def test_lost_neighbour_is_an_error_not_a_hang():
         # rank 2 never takes part
         ring.run(lambda t: None if t.rank == 2 else ring_allreduce(t, np.ones(10, np.float32), timeout=0.5),
                  timeout=10)
+
+
+# -- codec registry ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", __import__("birdnet.codecs", fromlist=["names"]).names())
+def test_codec_description_rebuilds_the_same_codec(name):
+    """The daemon ships ``describe()`` to the peers, which rebuild the codec from it."""
+    from birdnet.codecs import get_codec
+    d = get_codec(name).describe()
+    again = get_codec(d["codec"], **{k: v for k, v in d.items() if k != "codec"})
+    assert again.describe() == d

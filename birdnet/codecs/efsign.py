@@ -22,7 +22,7 @@ class EFSignCodec(Codec):
 
     name = "efsign"
     pattern = Pattern.GATHERED
-    defaults = {"error_feedback": True}
+    defaults = {"error_feedback": True, "momentum": 0.0}
 
     def validate(self, params: dict[str, Any]) -> dict[str, Any]:
         return C.feedback_params(self.name, params)

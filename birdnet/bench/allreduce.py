@@ -1,0 +1,257 @@
+"""``birdnet bench allreduce``: N daemons with one client each; a table in the form of nccl-tests
+(size, count, codec, time, algbw, busbw) plus bytes on the wire, compression ratio and error against
+the exact mean; optionally in network namespaces with token-bucket links and next to
+torch.distributed/Gloo on the same links in the same run.
+
+Timing: every measured call starts right after a barrier; a run's time is the slowest node's; each
+figure is the median of ``--runs`` runs after ``--warmup`` warm-up calls. algbw = bytes / time,
+busbw = algbw * 2 (N-1) / N (the nccl-tests convention for all-reduce).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """``none,birdplus:density=0.01:mode=shared,marsit`` -> [(name, params), ...]."""
+    out = []
+    for item in text.split(","):
+        name, *kvs = item.split(":")
+        params: dict[str, Any] = {}
+        for kv in kvs:
+            k, _, v = kv.partition("=")
+            try:
+                params[k] = json.loads(v)
+            except json.JSONDecodeError:
+                params[k] = v
+        out.append((name, params))
+    return out
+
+
+def label(name: str, params: dict[str, Any]) -> str:
+    return name + "".join(f":{k}={v}" for k, v in params.items())
+
+
+def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    from birdnet.client import Client
+    res: dict[str, Any] = {}
+    with Client(sock, job="bench") as c:
+        for n in cfg["sizes"]:
+            x = np.random.default_rng(1000 + c.rank).standard_normal(n).astype(np.float32)
+            exact = None
+            if c.rank == 0 and cfg["check"]:
+                exact = np.zeros(n, np.float64)
+                for r in range(c.size):
+                    exact += np.random.default_rng(1000 + r).standard_normal(n).astype(np.float32)
+                exact /= c.size
+            for name, params in cfg["codecs"]:
+                times, stats, out = [], [], None
+                c.reset_state()
+                for i in range(cfg["warmup"] + cfg["runs"]):
+                    c.barrier()
+                    t0 = time.perf_counter()
+                    h = c.allreduce_async(x, name=f"g{n}", codec=name, **params)
+                    out = h.wait(900)
+                    dt = time.perf_counter() - t0
+                    if i >= cfg["warmup"]:
+                        times.append(dt)
+                        stats.append(h.stats)
+                err = None
+                if exact is not None and out is not None:
+                    err = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
+                res[f"{label(name, params)}|{n}"] = {"times": times, "stats": stats, "error": err}
+    return res
+
+
+def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, list[float]]:
+    port = 29900 + os.getpid() % 50
+    procs = []
+    for r in range(len(addresses)):
+        cmd = [*cluster_prefixes[r], sys.executable, "-m", "birdnet.bench.gloo_worker", "--rank", str(r),
+               "--world", str(len(addresses)), "--master", f"{addresses[0]}:{port}", "--sizes",
+               ",".join(map(str, sizes)), "--runs", str(runs), "--warmup", str(warmup)]
+        if cluster_prefixes[r]:
+            cmd += ["--iface", "eth0"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=1800)
+            if p.returncode != 0:
+                raise RuntimeError(f"gloo rank failed: {e[-2000:]}")
+            outs.append(json.loads(o.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {n: [max(o["times"][str(n)][i] for o in outs) for i in range(runs)] for n in sizes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="birdnet bench allreduce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--sizes", default="1000000,11689512", help="element counts (float32), comma-separated")
+    p.add_argument("--codecs", default="none", help="comma-separated; parameters as name:key=value:key=value")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per figure (median), default 3")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--netns", action="store_true", help="each daemon in its own network namespace (root)")
+    p.add_argument("--rate", default=None, help="token-bucket rate of every link with --netns, e.g. 1gbit, 100mbit")
+    p.add_argument("--vs-gloo", action="store_true", help="torch.distributed/Gloo on the same links, same run")
+    p.add_argument("--no-check", action="store_true", help="skip the error against the exact mean")
+    p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", metavar="FILE.png")
+    a = p.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",")]
+    codecs = parse_codecs(a.codecs)
+    from birdnet.bench import netns
+    from birdnet.bench.cluster import LocalCluster
+
+    if a.rate and not a.netns:
+        p.error("--rate needs --netns")
+    cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
+    nsc = None
+    results: dict[str, Any] = {}
+    gloo: dict[int, list[float]] = {}
+    extra = ["--peer-timeout", "60", "--heartbeat-interval", "1"]
+    if a.chunk_bytes:
+        extra += ["--chunk-bytes", str(a.chunk_bytes)]
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="birdnet-bench-") as tmp:
+        try:
+            if a.netns:
+                ok, why = netns.available()
+                if not ok:
+                    print(f"birdnet bench: --netns unavailable: {why}", file=sys.stderr)
+                    return 2
+                nsc = netns.NetnsCluster(a.nodes, a.rate).__enter__()
+                prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
+                cl = LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes, extra=extra)
+            else:
+                prefixes = [[] for _ in range(a.nodes)]
+                cl = LocalCluster(a.nodes, Path(tmp), extra=extra)
+            cl.command = _no_test_timeouts(cl.command)
+            total = len(sizes) * len(codecs)
+            print(f"birdnet bench allreduce: {a.nodes} nodes, {'netns ' + (a.rate or 'unshaped') if a.netns else 'loopback'}, "
+                  f"{total} figures x {a.warmup}+{a.runs} calls", file=sys.stderr)
+            with cl:
+                w = cl.run_async(bench_worker, cfg, per_node=1)
+                spin = 0
+                while not w.ready():
+                    time.sleep(0.5)
+                    spin += 1
+                    mark = "|/-+"[spin % 4]
+                    print(f"\r  running birdnet {mark} {time.monotonic() - t_start:6.0f} s", end="",
+                          file=sys.stderr, flush=True)
+                per_node = w.get(timeout=10)
+                print("", file=sys.stderr)
+            for key in per_node[0]:
+                times = [max(pn[key]["times"][i] for pn in per_node) for i in range(a.runs)]
+                stats = per_node[0][key]["stats"]
+                results[key] = {"time": statistics.median(times), "times": times,
+                                "bytes_sent": int(statistics.median(s.get("bytes_sent", 0) for s in stats)),
+                                "ratio": float(statistics.median(s.get("ratio", 0.0) for s in stats)),
+                                "compress_seconds": float(statistics.median(s.get("compress_seconds", 0.0) for s in stats)),
+                                "round_seconds": float(statistics.median(s.get("seconds", 0.0) for s in stats)),
+                                "error": per_node[0][key]["error"]}
+            if a.vs_gloo:
+                try:
+                    import torch  # noqa: F401
+                except ImportError:
+                    print("birdnet bench: --vs-gloo needs torch (pip install torch==2.13.0)", file=sys.stderr)
+                else:
+                    print("  running torch.distributed/Gloo on the same links ...", file=sys.stderr)
+                    addrs = nsc.addresses if nsc else ["127.0.0.1"] * a.nodes
+                    gloo = run_gloo(prefixes, addrs, sizes, a.runs, a.warmup)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
+        finally:
+            if nsc is not None:
+                nsc.teardown()
+    rows = []
+    for n in sizes:
+        for name, params in codecs:
+            r = results[f"{label(name, params)}|{n}"]
+            algbw = n * 4 / r["time"] / 1e9
+            row = {"size_bytes": n * 4, "count": n, "codec": label(name, params), "time_s": r["time"],
+                   "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (a.nodes - 1) / a.nodes,
+                   "wire_bytes_per_node": r["bytes_sent"], "ratio": r["ratio"], "error": r["error"],
+                   "compress_s": r["compress_seconds"], "daemon_round_s": r["round_seconds"], "times": r["times"]}
+            if n in gloo:
+                g = statistics.median(gloo[n])
+                row["gloo_time_s"] = g
+                row["vs_gloo"] = r["time"] / g
+                row["speedup_vs_gloo"] = g / r["time"]
+            rows.append(row)
+    meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
+            "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+            "command": "birdnet bench allreduce " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if a.json:
+        print(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    else:
+        print(f"# {meta['command']}\n# {a.nodes} nodes, {meta['mode']} {a.rate or ''}; {meta['machine']}, all nodes share it")
+        hdr = f"{'size(B)':>12} {'count':>10} {'codec':<28} {'time(s)':>9} {'algbw':>7} {'busbw':>7} {'wire B/node':>12} {'ratio':>7} {'error':>9}"
+        if gloo:
+            hdr += f" {'gloo(s)':>8} {'x gloo':>7}"
+        print(hdr)
+        for r in rows:
+            line = (f"{r['size_bytes']:>12} {r['count']:>10} {r['codec']:<28} {r['time_s']:>9.4f} {r['algbw_GBps']:>7.3f} "
+                    f"{r['busbw_GBps']:>7.3f} {r['wire_bytes_per_node']:>12} {r['ratio']:>7.1f} "
+                    f"{(r['error'] if r['error'] is not None else float('nan')):>9.2e}")
+            if "gloo_time_s" in r:
+                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x"
+            print(line)
+    if a.plot:
+        _plot(rows, a.plot, meta)
+    return 0
+
+
+def _no_test_timeouts(command):
+    """The cluster helper's defaults are tuned for tests; benchmarks use the daemon's defaults."""
+    def cmd(i: int) -> list[str]:
+        out = command(i)
+        for flag in ("--peer-timeout", "--heartbeat-interval"):
+            while flag in out[:-4]:
+                j = out.index(flag)
+                del out[j:j + 2]
+        return out
+    return cmd
+
+
+def _plot(rows, path: str, meta) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for codec in dict.fromkeys(r["codec"] for r in rows):
+        rs = [r for r in rows if r["codec"] == codec]
+        ax.plot([r["count"] for r in rs], [r["time_s"] for r in rs], "o-", label=f"birdnet {codec}")
+    gl = {r["count"]: r["gloo_time_s"] for r in rows if "gloo_time_s" in r}
+    if gl:
+        ax.plot(list(gl), list(gl.values()), "k--s", label="torch.distributed Gloo")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("float32 elements")
+    ax.set_ylabel("all-reduce time (s)")
+    ax.set_title(f"{meta['nodes']} nodes, {meta['mode']} {meta['rate'] or ''}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""One torch.distributed (Gloo) rank for ``birdnet bench allreduce --vs-gloo``; prints its times as
+JSON on stdout. Run inside the node's network namespace, like the birdnet daemon it is compared to."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, help="host:port of rank 0")
+    p.add_argument("--iface", default=None, help="GLOO_SOCKET_IFNAME")
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    a = p.parse_args(argv)
+    import os
+    if a.iface:
+        os.environ["GLOO_SOCKET_IFNAME"] = a.iface
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
+                            timeout=__import__("datetime").timedelta(seconds=120))
+    out = {}
+    for n in [int(x) for x in a.sizes.split(",")]:
+        t = torch.randn(n, generator=torch.Generator().manual_seed(a.rank))
+        times = []
+        for i in range(a.warmup + a.runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            dt = time.perf_counter() - t0
+            if i >= a.warmup:
+                times.append(dt)
+        out[str(n)] = times
+    dist.destroy_process_group()
+    print(json.dumps({"rank": a.rank, "times": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
