@@ -55,13 +55,17 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                 for r in range(c.size):
                     exact += np.random.default_rng(1000 + r).standard_normal(n).astype(np.float32)
                 exact /= c.size
+            # The gradient lives in a shared-memory buffer (client.buffer), as in a training loop that
+            # writes its gradients there: the all-reduce works in place, like Gloo's.
+            buf = c.buffer((n,), np.float32)
             for name, params in cfg["codecs"]:
                 times, stats, out = [], [], None
                 c.reset_state()
                 for i in range(cfg["warmup"] + cfg["runs"]):
+                    buf[:] = x
                     c.barrier()
                     t0 = time.perf_counter()
-                    h = c.allreduce_async(x, name=f"g{n}", codec=name, **params)
+                    h = c.allreduce_async(buf, name=f"g{n}", codec=name, **params)
                     out = h.wait(900)
                     dt = time.perf_counter() - t0
                     if i >= cfg["warmup"]:

@@ -55,6 +55,9 @@ class LocalCluster:
         env = dict(os.environ)
         # the daemons import the same birdnet as this process (a checkout or an installed copy)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+        # All daemons of a local cluster share this machine's cores: give each its share of
+        # Numba threads rather than letting every one start a thread per core (oversubscription).
+        env.setdefault("NUMBA_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.n)))
         with open(self.logs[i], "ab") as log:
             self.procs[i] = subprocess.Popen(self.command(i), stdout=log, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
