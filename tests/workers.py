@@ -69,3 +69,20 @@ def nan_round(sock, node, local):
             return ("ok", bool(np.isnan(out[3])), float(out[4]))
         except Exception as exc:  # noqa: BLE001
             return ("error", type(exc).__name__, str(exc))
+
+
+def codec_rounds(sock, node, local, specs, n, rounds):
+    """For each (codec, params): ``rounds`` all-reduces (sum) of seeded data; returns inputs,
+    outputs and stats so the test can check bounds and bit-identity."""
+    out = {}
+    with Client(sock, job="codecs") as c:
+        for name, params in specs:
+            rng = np.random.default_rng(100 + c.rank)
+            res = []
+            for r in range(rounds):
+                x = (rng.standard_normal(n) * np.linspace(0.01, 3, n)).astype(np.float32)
+                h = c.allreduce_async(x, op="sum", name=f"{name}/t", codec=name, **params)
+                res.append((x, h.wait(60), h.stats))
+            c.reset_state()
+            out[name + repr(sorted(params.items()))] = res
+    return out
