@@ -62,6 +62,12 @@ class PeerLostError(BirdnetError, ConnectionError):
     running, reconnects, and the next round succeeds once the peer is back."""
 
 
+class ProcessLostError(PeerLostError):
+    """A training process of the job exited (killed, crashed, or closed its client) on some node, so
+    the job's rounds cannot complete there. Reaction: the job's rounds fail at once on every node,
+    naming the process, until a process joins the job on that node again (restart the job)."""
+
+
 class RoundTimeoutError(BirdnetError, TimeoutError):
     """A round did not complete within its deadline (a local process never submitted, or the caller's
     ``timeout`` expired). Reaction: the round is abandoned; participants get this error."""
@@ -79,7 +85,7 @@ class ShutdownError(BirdnetError):
 
 _BY_NAME = {cls.__name__: cls for cls in [
     BirdnetError, ConfigError, ProtocolError, VersionMismatchError, InputError, RoundMismatchError,
-    CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, RoundTimeoutError,
+    CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, ProcessLostError, RoundTimeoutError,
     AuthenticationError, ShutdownError,
 ]}
 

@@ -23,13 +23,15 @@ import numpy as np
 import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
-from birdnet.errors import (BirdnetError, DaemonUnavailableError, InputError, ProtocolError,
+from birdnet.errors import (AuthenticationError, BirdnetError, DaemonUnavailableError, InputError, ProtocolError,
                             RoundTimeoutError, from_wire)
 
 __all__ = ["Client", "Handle", "BirdnetError"]
 
 #: how long to wait for the daemon to answer ``hello`` before saying it is not running
 CONNECT_TIMEOUT = 1.0
+#: after the daemon went away, how long the next call waits for a restarted daemon to answer
+RECONNECT_TIMEOUT = 10.0
 
 
 def _default_socket() -> str:
@@ -73,6 +75,7 @@ class Handle:
         self.stats: dict[str, Any] = {}
         self._result: Any = None
         self._done = False
+        self.generation = client._generation  #: which connection to the daemon the call went out on
 
     def done(self) -> bool:
         """True once the result is available (does not block)."""
@@ -84,7 +87,13 @@ class Handle:
         """Block until the result is there (``timeout`` seconds at most, else RoundTimeoutError)."""
         if self._done:
             return self._result
-        reply = self.client._await(self.call, timeout, self.name)
+        try:
+            reply = self.client._await(self.call, timeout, self.name, self.generation)
+        except DaemonUnavailableError:
+            self._done = True
+            if self.slot is not None:
+                self.slot.busy = False
+            raise
         self._done = True
         if self.slot is not None:
             self.slot.busy = False
@@ -115,12 +124,18 @@ class Client:
     """
 
     def __init__(self, socket: str | None = None, job: str = "default", *,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT) -> None:
         self.socket_path = socket or _default_socket()
         self.job = job
         self.connect_timeout = connect_timeout
+        self.reconnect_timeout = reconnect_timeout
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._generation = 0  #: bumped on every (re)connection
+        self._lost: str | None = None  #: why the connection to the daemon is gone, until reconnected
+        self._stale: dict[int, _Slot] = {}  #: buffer() slots of an earlier daemon instance
         self._seq = 0
         self._calls = itertools.count(1)
         self._replies: dict[int, dict] = {}
@@ -129,15 +144,38 @@ class Client:
         self._connect()
 
     # -- connection -------------------------------------------------------------------------------
-    def _connect(self) -> None:
-        if not os.path.exists(self.socket_path):
+    def _check_access(self) -> None:
+        path = self.socket_path
+        try:
+            os.stat(path)
+        except PermissionError:
+            raise AuthenticationError(
+                f"permission denied on {path}: a directory on the way is closed to uid {os.getuid()}; birdnetd "
+                "serves only its own user and its --shm-group") from None
+        except FileNotFoundError:
             raise DaemonUnavailableError(
-                f"no birdnetd at {self.socket_path}: start it with `birdnetd --peers hosts.txt` "
-                "(or `systemctl start birdnetd`), or pass socket=/ set BIRDNET_SOCKET to its --socket path")
+                f"no birdnetd at {path}: start it with `birdnetd --peers hosts.txt` "
+                "(or `systemctl start birdnetd`), or pass socket=/ set BIRDNET_SOCKET to its --socket path") from None
+        if not os.access(path, os.R_OK | os.W_OK):
+            st = os.stat(path)
+            raise AuthenticationError(
+                f"permission denied on {path} (owner uid {st.st_uid}, group gid {st.st_gid}, mode "
+                f"{st.st_mode & 0o777:o}): birdnetd serves only its own user and its --shm-group; run the "
+                "training process as one of them")
+
+    def _connect(self) -> None:
+        self._check_access()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # The monitor tells when the daemon's end of the socket closes (daemon killed or restarted);
+        # without it a DEALER would silently reconnect and calls in flight would wait forever.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
         self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._lost = None
         self._send({"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid()})
         try:
             reply = self._recv(time.monotonic() + self.connect_timeout)
@@ -146,9 +184,13 @@ class Client:
             raise DaemonUnavailableError(
                 f"birdnetd at {self.socket_path} did not answer within {self.connect_timeout} s; is it running? "
                 "(`birdnet status --socket PATH`; start it with `birdnetd --peers hosts.txt`)") from None
+        except DaemonUnavailableError:
+            self._close_socket()
+            raise
         if reply["t"] == "error":
             self._close_socket()
             raise from_wire(reply)
+        self._generation += 1
         self.rank: int = reply["rank"]
         self.size: int = reply["size"]
         self.local_rank: int = reply["local_rank"]
@@ -158,27 +200,94 @@ class Client:
 
     def _close_socket(self) -> None:
         if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
             self._sock.close(0)
             self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
 
     def _send(self, header: dict[str, Any]) -> None:
         if self._sock is None:
-            raise DaemonUnavailableError("client is closed")
+            raise DaemonUnavailableError(f"client is not connected to birdnetd at {self.socket_path}"
+                                         + (f" ({self._lost})" if self._lost else ""))
         self._sock.send_multipart(wire.encode(header))
 
-    def _recv(self, deadline: float | None) -> dict[str, Any]:
-        assert self._sock is not None
+    def _check_monitor(self) -> None:
+        if self._monitor is None or self._lost:
+            return
         while True:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if wait is not None and not self._sock.poll(int(wait * 1000) + 1):
-                raise RoundTimeoutError("timed out waiting for birdnetd")
-            if wait is None and not self._sock.poll(1000):
-                if not os.path.exists(self.socket_path):
-                    raise DaemonUnavailableError(f"birdnetd at {self.socket_path} went away")
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._lost = ("the daemon closed the connection (killed or restarted); calls in flight were lost, "
+                          "the next call reconnects")
+
+    def _gone(self) -> DaemonUnavailableError:
+        return DaemonUnavailableError(f"birdnetd at {self.socket_path} went away: {self._lost}")
+
+    def _recv(self, deadline: float | None) -> dict[str, Any]:
+        if self._sock is None:
+            raise DaemonUnavailableError(f"client is not connected to birdnetd at {self.socket_path}")
+        while True:
+            self._check_monitor()
+            if self._lost:
+                raise self._gone()
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            events = dict(self._poller.poll(int(wait * 1000) + 1))
+            if self._sock in events:
+                frames = self._sock.recv_multipart()
+                try:
+                    header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
+                except ProtocolError:
+                    continue  # not from a birdnetd we understand; ignore rather than crash
+                if header.get("t") == "error" and str(header.get("message", "")).startswith("no session"):
+                    self._lost = "the daemon restarted and no longer knows this process; the next call reconnects"
+                    raise self._gone()
+                return header
+            if self._monitor is not None and self._monitor in events:
                 continue
-            frames = self._sock.recv_multipart()
-            header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
-            return header
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RoundTimeoutError("timed out waiting for birdnetd")
+            if deadline is None and not os.path.exists(self.socket_path):
+                self._lost = "its socket file was removed"
+                raise self._gone()
+
+    def _reconnect(self) -> None:
+        """After the daemon went away: connect to the (restarted) daemon, waiting up to
+        ``reconnect_timeout``. Shared memory of the earlier daemon is dropped; arrays from
+        :meth:`buffer` keep working (their results are copied back into them)."""
+        why = self._lost
+        self._close_socket()
+        for sid, s in self._slots.items():
+            if s in self._owned.values():
+                self._stale[id(s)] = s
+            else:
+                s.close()
+        self._slots.clear()
+        self._owned.clear()
+        self._replies.clear()
+        deadline = time.monotonic() + self.reconnect_timeout
+        while True:
+            try:
+                self._connect()
+                return
+            except DaemonUnavailableError as exc:
+                if time.monotonic() >= deadline:
+                    self._lost = why
+                    raise DaemonUnavailableError(
+                        f"birdnetd at {self.socket_path} went away ({why}) and no daemon answered within "
+                        f"reconnect_timeout={self.reconnect_timeout} s: {exc}") from None
+                time.sleep(0.2)
+
+    def _ensure_connected(self) -> None:
+        self._check_monitor()
+        if self._lost or self._sock is None:
+            self._reconnect()
 
     def _pump(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -192,9 +301,13 @@ class Client:
             timeout = 0.0
             deadline = time.monotonic()
 
-    def _await(self, call: int, timeout: float | None, name: str | None = None) -> dict[str, Any]:
+    def _await(self, call: int, timeout: float | None, name: str | None = None,
+               generation: int | None = None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while call not in self._replies:
+            if generation is not None and generation != self._generation:
+                raise DaemonUnavailableError(f"call for tensor {name!r} was lost: birdnetd at {self.socket_path} "
+                                             "restarted while it was in flight")
             try:
                 h = self._recv(deadline)
             except RoundTimeoutError:
@@ -208,10 +321,11 @@ class Client:
 
     def _request(self, header: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """A synchronous request answered immediately (alloc, status)."""
+        self._ensure_connected()
         call = next(self._calls)
         header = {**header, "call": call}
         self._send(header)
-        reply = self._await(call, timeout)
+        reply = self._await(call, timeout, generation=self._generation)
         if reply["t"] == "error":
             raise from_wire(reply)
         return reply
@@ -252,6 +366,13 @@ class Client:
                     return s
         return None
 
+    def _stale_slot(self, array: np.ndarray) -> _Slot | None:
+        for s in self._stale.values():
+            base = np.frombuffer(s.mmap, dtype=np.uint8)
+            if np.shares_memory(array, base) and array.flags.c_contiguous:
+                return s
+        return None
+
     # -- collectives ------------------------------------------------------------------------------
     def allreduce(self, array, *, op: str = "mean", name: str | None = None, timeout: float | None = None,
                   codec: str | None = None, **codec_params: Any) -> np.ndarray:
@@ -284,6 +405,7 @@ class Client:
 
     def _collective(self, kind: str, array, *, op: str = "mean", name: str | None = None, codec: str | None = None,
                     params: dict[str, Any] | None = None, root: int = 0) -> Handle:
+        self._ensure_connected()
         seq = self._seq
         header: dict[str, Any] = {"t": "submit", "seq": seq, "kind": kind}
         slot = None
@@ -298,7 +420,11 @@ class Client:
                                  "(float16/32/64, or int32/int64 with op='sum')")
             shape, dtype = tuple(array.shape), array.dtype
             owned = self._owner_slot(array)
-            if owned is not None:
+            stale = self._stale_slot(array) if owned is None and self._stale else None
+            if stale is not None:  # a buffer() of an earlier daemon: copy in, copy the result back
+                slot, out = self._slot_for(max(array.nbytes, 1)), array
+                np.copyto(slot.view(shape, dtype), array)
+            elif owned is not None:
                 slot, out = owned, array
                 if slot.busy:
                     raise InputError("this shared-memory buffer is already in a call in flight")
@@ -324,13 +450,19 @@ class Client:
             raise
         return Handle(self, call, slot, shape, dtype, out, name)
 
+    @property
+    def connected(self) -> bool:
+        """False once the daemon went away (the next call reconnects)."""
+        self._check_monitor()
+        return self._sock is not None and not self._lost
+
     def status(self) -> dict[str, Any]:
         """The daemon's status (the same figures as ``birdnet status --json``)."""
         return self._request({"t": "status"})["status"]
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        if self._sock is not None:
+        if self._sock is not None and not self._lost:
             try:
                 self._send({"t": "bye"})
             except (zmq.ZMQError, BirdnetError):
@@ -340,6 +472,7 @@ class Client:
             s.close()
         self._slots.clear()
         self._owned.clear()
+        self._stale.clear()
 
     def __enter__(self) -> "Client":
         return self

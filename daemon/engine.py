@@ -252,6 +252,9 @@ class RingWorker(threading.Thread):
         self.rounds_failed = 0
         self.last_round_seconds = 0.0
         self.pending_start: dict | None = None
+        #: job -> why its rounds cannot complete on this node (a local process left); written by the
+        #: service thread, read here (single dict operations, atomic under the GIL)
+        self.departed: dict[str, tuple[str, int]] = {}  # job -> (why, first call affected)
 
     # -- plumbing ---------------------------------------------------------------------------------
     def submit(self, rnd: LocalRound) -> None:
@@ -259,6 +262,8 @@ class RingWorker(threading.Thread):
 
     def stop(self) -> None:
         self.stopping = True
+        if self.net is not None:
+            self.net.stopping = True  # a round in its data phase stops waiting for the ring
         self.inbox.put(None)
 
     def _take_inbox(self, timeout: float = 0.0) -> None:
@@ -355,7 +360,13 @@ class RingWorker(threading.Thread):
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
             if msg is not None and msg["h"].get("t") == "start":
-                self._follow(msg["h"])
+                try:
+                    self._follow(msg["h"])
+                except BirdnetError as exc:  # e.g. the right neighbour is not connected
+                    key = msg["h"].get("k")
+                    log.warning("round %s: %s", key, exc)
+                    if isinstance(key, str) and key in self.ready:
+                        self._finish(self.ready[key], exc)
 
     def _wait_message(self, want: str, key: str, deadline: float) -> dict:
         """Wait for a control message ``want`` of round ``key`` from the left neighbour."""
@@ -441,6 +452,15 @@ class RingWorker(threading.Thread):
             if lost:
                 self._abort(key, f"lost peer {self.net.describe_lost(lost)}")
                 return
+            job, _, seq_s = key.rpartition("/")
+            gone = self.departed.get(job)
+            if gone is not None and seq_s.isdigit() and int(seq_s) >= gone[1]:
+                # This node's processes of the job can never submit: fail the round everywhere now.
+                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
+                                          "error_class": "ProcessLostError"}])
+                self.net.send({"t": "start", "k": key, "descs": descs})
+                self._pass_go(key)
+                return
             self._take_inbox(timeout=0.0)
             msg = self.net.poll(0.02)
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
@@ -456,7 +476,11 @@ class RingWorker(threading.Thread):
             self._finish(rnd, exc)
             return
         if self.rank != self.world - 1:
-            self.net.send(g)
+            try:
+                self.net.send(g)
+            except BirdnetError as exc:
+                self._finish(rnd, exc)
+                return
         if not g.get("ok"):
             self._finish(rnd, from_wire({"error": g.get("errc") or "RoundMismatchError", "message": str(g.get("err"))}))
             return
@@ -465,6 +489,15 @@ class RingWorker(threading.Thread):
             self._finish(rnd, PeerLostError(f"round {key}: malformed go message"))
             return
         self._data_phase(rnd, RoundTransport(self.net, key), [int(c) for c in counts])
+
+    def _pass_go(self, key: str) -> None:
+        """Forward the leader's verdict on a round this node has no local part in."""
+        try:
+            g = self._wait_message("go", key, time.monotonic() + self.settings.peer_timeout * 2)
+        except BirdnetError:
+            return
+        if self.rank != self.world - 1:
+            self.net.send(g)
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> None:
         try:

@@ -81,6 +81,7 @@ class PeerNet:
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
         self.dropped = 0
+        self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         self.router = ctx.socket(zmq.ROUTER)
         self.dealer = ctx.socket(zmq.DEALER)
         for s in (self.router, self.dealer):
@@ -89,9 +90,17 @@ class PeerNet:
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self.curve = curve
         if curve is not None:
             curve.configure_server(self.router)
             curve.configure_client(self.dealer, peers[(rank + 1) % self.world])
+        # Handshake failures (a CURVE key refused, CURVE on one side only) never reach the
+        # application as messages; the socket monitors turn them into a reason we can report.
+        failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self.dealer_monitor = self.dealer.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.router_monitor = self.router.get_monitor_socket(failed)
+        self.handshake_failures = 0
         self.dealer.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
         self.dealer.setsockopt(zmq.RECONNECT_IVL, 100)
         self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -104,6 +113,8 @@ class PeerNet:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.dealer, zmq.POLLIN)
+        self.poller.register(self.dealer_monitor, zmq.POLLIN)
+        self.poller.register(self.router_monitor, zmq.POLLIN)
         # The service thread pokes ``wake`` when it hands over a round, so a waiting poll returns
         # at once instead of at its next timeout.
         self.wake = wake
@@ -111,8 +122,49 @@ class PeerNet:
             self.poller.register(wake, zmq.POLLIN)
 
     def close(self) -> None:
-        self.router.close(0)
-        self.dealer.close(0)
+        for sock, mon in ((self.router, self.router_monitor), (self.dealer, self.dealer_monitor)):
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close(0)
+            sock.close(0)
+
+    # -- handshake events --------------------------------------------------------------------------
+    def _drain_monitors(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        for mon, side in ((self.dealer_monitor, "dealer"), (self.router_monitor, "router")):
+            while True:
+                try:
+                    ev = recv_monitor_message(mon, zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except (zmq.ZMQError, ValueError):  # a malformed event must not stop the ring
+                    break
+                self._handshake_event(side, ev["event"], ev.get("value"), ev.get("endpoint", b""))
+
+    def _handshake_event(self, side: str, event: int, value: Any, endpoint: Any) -> None:
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+        self.handshake_failures += 1
+        if side == "dealer":
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = (f"right neighbour rank {self.right.rank} ({self.right.address}) refused this node's CURVE "
+                          f"key (status {value}); add this node's birdnet.pub to its curve_allowed_keys")
+            elif self.curve is None:
+                reason = (f"handshake with right neighbour rank {self.right.rank} ({self.right.address}) failed: "
+                          "it requires CURVE (curve_secret_key) and this node does not use it")
+            else:
+                reason = (f"CURVE handshake with right neighbour rank {self.right.rank} ({self.right.address}) "
+                          "failed: it does not use CURVE, or its key is not the one in curve_allowed_keys")
+            if reason != self.refused_by_right:
+                log.error("%s", reason)
+            self.refused_by_right = reason
+        elif self.handshake_failures <= 20 or self.handshake_failures % 1000 == 0:
+            why = "unknown CURVE key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else (
+                "no CURVE (plaintext peer) or a protocol error" if self.curve is not None else "protocol error")
+            log.warning("refused a connection on the peer port: %s (event %d, value %s; %d so far)", why, event,
+                        value, self.handshake_failures)
 
     # -- liveness --------------------------------------------------------------------------------
     def lost(self) -> set[int]:
@@ -133,7 +185,10 @@ class PeerNet:
         return (own | self.left_reports) - {self.rank}
 
     def describe_lost(self, lost: set[int]) -> str:
-        return ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
+        text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
+        if self.refused_by_right and self.right.rank in lost:
+            text += f" [{self.refused_by_right}]"
+        return text
 
     def peer_states(self) -> list[dict[str, Any]]:
         lost = self.lost()
@@ -158,14 +213,28 @@ class PeerNet:
         """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
         the returned MessageTracker tells when ZeroMQ no longer needs them."""
         frames = wire.encode(header, buffers)
+        try:
+            # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
+            # send would stall this thread for good; ZeroMQ queues while a connection exists.
+            tracker = self.dealer.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track and bool(buffers))
+        except zmq.Again:
+            raise PeerLostError(
+                f"cannot send to right neighbour rank {self.right.rank} ({self.right.address}): not connected"
+                + (f" [{self.refused_by_right}]" if self.refused_by_right else "")) from None
         self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-        return self.dealer.send_multipart(frames, copy=False, track=track and bool(buffers))
+        return tracker
 
     def maybe_ping(self) -> None:
         now = time.monotonic()
         if now - self.last_ping < self.settings.heartbeat_interval:
             return
         self.last_ping = now
+        try:
+            self._send_ping()
+        except PeerLostError:
+            pass  # the right neighbour's liveness (no pongs) reports this
+
+    def _send_ping(self) -> None:
         self.send({"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
                    "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost())})
 
@@ -178,6 +247,8 @@ class PeerNet:
             self.maybe_ping()
             remaining = deadline - time.monotonic()
             events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
+            if self.dealer_monitor in events or self.router_monitor in events:
+                self._drain_monitors()
             if self.dealer in events:
                 self._drain_dealer()
             if self.wake is not None and self.wake in events:
@@ -192,7 +263,6 @@ class PeerNet:
                 msg = self._recv_router()
                 if msg is not None:
                     return msg
-                continue
             if time.monotonic() >= deadline:
                 return None
 
@@ -237,7 +307,7 @@ class PeerNet:
         self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
         t = header["t"]
         if t == "ping":
-            self._handle_ping(identity, header)
+            self._handle_ping(identity, header, frames[1])
             return None
         if identity != self.left_identity:
             self._drop(f"{t!r} message from {identity[:40]!r}, which is not the accepted left neighbour")
@@ -259,9 +329,19 @@ class PeerNet:
         except zmq.ZMQError:
             pass
 
-    def _handle_ping(self, identity: bytes, h: dict[str, Any]) -> None:
+    def _peer_of_connection(self, frame: Any) -> str | None:
+        """With CURVE, the ring node whose key authenticated this connection (set by the ZAP handler)."""
+        try:
+            user = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError, KeyError, TypeError):
+            return None
+        return user.decode(errors="replace") if isinstance(user, bytes) else user
+
+    def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
         reason = None
         expected = self.left.rank
+        now = time.monotonic()
+        who = self._peer_of_connection(frame) if self.curve is not None else None
         if h.get("proto") != PROTOCOL_VERSION:
             reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
         elif h.get("world") != self.world:
@@ -275,6 +355,16 @@ class PeerNet:
             diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
                      for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
             reason = "cluster-wide settings differ: " + "; ".join(diffs)
+        elif self.curve is not None and not (who or "").startswith(f"rank {expected} "):
+            reason = (f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank "
+                      f"{expected}")
+        elif (identity != self.left_identity and self.left_identity is not None
+              and now - self.left_seen < self.settings.peer_timeout):
+            # Someone else claims to be our left neighbour while the accepted one is alive: refuse,
+            # or a stray process could take the ring's data. A restarted neighbour is accepted as
+            # soon as its earlier incarnation has been silent for peer_timeout.
+            reason = (f"rank {expected} is already connected (alive {now - self.left_seen:.1f} s ago) from another "
+                      f"connection; a second connection claiming rank {expected} is refused")
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})
@@ -317,7 +407,7 @@ class RoundTransport:
         deadline = time.monotonic() + timeout
         for tr in self.trackers:
             while not tr.done:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self.net.stopping:
                     raise PeerLostError(f"round {self.key}: right neighbour rank {self.net.right.rank} "
                                         f"({self.net.right.address}) did not take our data within {timeout} s")
                 try:
@@ -329,6 +419,9 @@ class RoundTransport:
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         while True:
+            if self.net.stopping:
+                from birdnet.errors import ShutdownError
+                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.rank} is shutting down")
             lost = self.net.lost()
             if lost:
                 raise PeerLostError(f"lost peer {self.net.describe_lost(lost)} during round {self.key}")

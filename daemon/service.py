@@ -23,6 +23,7 @@ import dataclasses
 import grp
 import hashlib
 import logging
+import math
 import os
 import queue
 import signal
@@ -34,7 +35,8 @@ import zmq
 
 from birdnet import PROTOCOL_VERSION, __version__, wire
 from birdnet.config import Settings
-from birdnet.errors import BirdnetError, CodecError, InputError, ProtocolError, RoundTimeoutError, ShutdownError, to_wire
+from birdnet.errors import (BirdnetError, CodecError, InputError, ProcessLostError, ProtocolError, RoundTimeoutError,
+                            ShutdownError, to_wire)
 from birdnet.hosts import Peer, find_own_rank, load_hosts
 from birdnet.shm import Segment, new_name, remove_stale
 from birdnet.daemon import notify
@@ -47,6 +49,9 @@ OPS = ("mean", "sum")
 FLOAT_DTYPES = ("float16", "float32", "float64")
 SUM_DTYPES = FLOAT_DTYPES + ("int32", "int64")
 MAX_SEGMENT_BYTES = 1 << 34
+MAX_SLOTS = 256  #: shared-memory slots per client session
+MAX_SESSIONS = 1024  #: client sessions per daemon
+MAX_DEPARTED = 1024  #: jobs remembered as broken by a departed process
 
 
 @dataclasses.dataclass
@@ -57,6 +62,7 @@ class Session:
     local_index: int
     segments: dict[int, Segment] = dataclasses.field(default_factory=dict)
     inflight: set[int] = dataclasses.field(default_factory=set)
+    last_seq: int = -1  #: the highest call number this process submitted
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -94,6 +100,7 @@ class Daemon:
         self.net = None
         self.worker: RingWorker | None = None
         self.metrics = None
+        self.curve = None
 
     # -- start-up ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -101,7 +108,10 @@ class Daemon:
         if removed:
             log.info("removed %d shared-memory segment(s) left by an earlier instance", len(removed))
         sock_dir = os.path.dirname(self.socket_path)
-        os.makedirs(sock_dir, mode=0o750 if self.gid is not None else 0o700, exist_ok=True)
+        if not os.path.isdir(sock_dir):
+            os.makedirs(sock_dir, mode=0o750 if self.gid is not None else 0o700, exist_ok=True)
+            if self.gid is not None:
+                os.chown(sock_dir, -1, self.gid)
         if os.path.exists(self.socket_path):
             if _socket_alive(self.ctx, self.socket_path):
                 raise_config(f"another birdnetd already serves {self.socket_path}; stop it or pass --socket")
@@ -128,7 +138,7 @@ class Daemon:
             curve = None
             if self.settings.curve_secret_key:
                 from birdnet.daemon.security import Curve
-                curve = Curve.from_settings(self.settings, self.ctx)
+                curve = self.curve = Curve.from_settings(self.settings, self.ctx, self.peers)
             self.ring_wake_rx = self.ctx.socket(zmq.PULL)
             self.ring_wake_rx.bind(f"inproc://birdnet-ring-wake-{id(self)}")
             self.ring_wake_tx = self.ctx.socket(zmq.PUSH)
@@ -262,12 +272,11 @@ class Daemon:
             handler(identity, header)
         except BirdnetError as exc:
             log.info("client request refused: %s", exc)
-            call = None
-            try:
-                call = header.get("call")  # type: ignore[possibly-undefined]
-            except Exception:  # noqa: BLE001
-                pass
-            self.reply(identity, {"t": "error", "call": call, **to_wire(exc)})
+            self.reply(identity, {"t": "error", "call": _call_of(locals().get("header")), **to_wire(exc)})
+        except Exception as exc:  # noqa: BLE001 - a bad request must never take the daemon down
+            log.exception("client request failed inside the daemon")
+            err = InputError(f"request failed inside birdnetd: {exc!r}")
+            self.reply(identity, {"t": "error", "call": _call_of(locals().get("header")), **to_wire(err)})
 
     def handle_hello(self, identity: bytes, h: dict[str, Any]) -> None:
         if h.get("proto") != PROTOCOL_VERSION:
@@ -280,6 +289,8 @@ class Daemon:
             raise InputError("job name must be 1..200 characters")
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise InputError(f"birdnetd already serves {MAX_SESSIONS} client sessions")
         j = self.jobs.setdefault(job, Job(job))
         free = [i for i in range(self.settings.local_size) if i not in j.sessions]
         if not free:
@@ -287,6 +298,8 @@ class Daemon:
                              f"(pids {sorted(s.pid for s in j.sessions.values())}); start birdnetd with "
                              "--local-size N for N training processes per node, or use another job name")
         idx = free[0]
+        if self.worker is not None:
+            self.worker.departed.pop(job, None)  # the job is whole again on this node
         s = Session(identity, pid, job, idx)
         self.sessions[identity] = s
         j.sessions[idx] = s
@@ -306,6 +319,8 @@ class Daemon:
         s = self._session(identity)
         slot = wire.field(h, "slot", int, "alloc")
         nbytes = wire.field(h, "nbytes", int, "alloc")
+        if not 0 <= slot < MAX_SLOTS:
+            raise InputError(f"slot {slot} is outside 0..{MAX_SLOTS - 1}")
         if not 0 <= nbytes <= min(MAX_SEGMENT_BYTES, self.settings.max_message_bytes * 4):
             raise InputError(f"shared-memory request of {nbytes} bytes is outside the limit")
         if slot in s.inflight:
@@ -326,6 +341,10 @@ class Daemon:
         kind = wire.field(h, "kind", str, "submit")
         if kind not in KINDS:
             raise InputError(f"unknown collective {kind!r}")
+        gone = self.worker.departed.get(s.job) if self.worker is not None else None
+        if gone is not None and seq >= gone[1]:
+            raise ProcessLostError(f"job {s.job!r} cannot run call {seq} on node rank {self.rank}: {gone[0]}")
+        s.last_seq = max(s.last_seq, seq)
         desc: dict[str, Any] = {"kind": kind, "name": None, "shape": [], "dtype": None, "op": None,
                                 "codec": None, "root": None}
         array = None
@@ -343,7 +362,7 @@ class Daemon:
             if dtype not in allowed:
                 raise InputError(f"tensor {name!r}: dtype {dtype} cannot be reduced with op={op!r}; "
                                  f"convert to one of {', '.join(allowed)}")
-            n = int(np.prod(shape)) if shape else 1
+            n = math.prod(shape)  # Python ints: a huge shape cannot overflow into a small size
             dt = np.dtype(dtype)
             slot = wire.field(h, "slot", int, "submit")
             seg = s.segments.get(slot)
@@ -439,6 +458,14 @@ class Daemon:
         if s is None:
             return
         j = self.jobs.get(s.job)
+        if j is not None and why != "daemon shutting down" and self.worker is not None and s.last_seq >= 0:
+            # The job's later rounds cannot complete on this node: say so to every node at once
+            # instead of letting them wait for round_timeout.
+            if len(self.worker.departed) >= MAX_DEPARTED:
+                self.worker.departed.pop(next(iter(self.worker.departed)))
+            self.worker.departed[s.job] = (f"process pid {s.pid} (local rank {s.local_index}) of job {s.job!r} "
+                                           f"on node rank {self.rank} left ({why}) after call {s.last_seq}; "
+                                           "restart the job's processes", s.last_seq + 1)
         if j is not None:
             j.sessions.pop(s.local_index, None)
             # Rounds still collecting on this node can never complete: fail them for the others.
@@ -506,6 +533,8 @@ class Daemon:
             self.metrics.stop()
         if self.net is not None:
             self.net.close()
+        if self.curve is not None:
+            self.curve.close()
         for sock in ("clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
@@ -516,6 +545,11 @@ class Daemon:
         self.ctx.term()
         log.info("stopped")
         return 0
+
+
+def _call_of(header: Any) -> Any:
+    call = header.get("call") if isinstance(header, dict) else None
+    return call if isinstance(call, int) and not isinstance(call, bool) else None
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
