@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             codes = cluster.stop()
         print()
     same = len({r["params_digest"] for r in results}) == 1
-    res = {"nodes": a.nodes, "accuracy": results[0]["acc"], "loss": results[0]["loss"],
+    res = {"nodes": a.nodes, "sockets": cluster.sockets, "accuracy": results[0]["acc"], "loss": results[0]["loss"],
            "bytes_sent_per_worker": results[0]["bytes_sent"], "seconds": time.monotonic() - t0,
            "identical_parameters_on_all_nodes": same, "daemon_exit_codes": codes}
     if a.json:

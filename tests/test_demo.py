@@ -13,6 +13,14 @@ import pytest
 pytest.importorskip("sklearn")
 
 
+def _segments_of(sockets) -> set[str]:
+    """Shared-memory segments of the daemons serving ``sockets`` (their names carry a prefix
+    derived from the socket path; other tests running at the same time have other prefixes)."""
+    import hashlib
+    prefixes = ["bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() for s in sockets]
+    return {f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)}
+
+
 def _birdnet_processes() -> set[int]:
     out = set()
     for pid in os.listdir("/proc"):
@@ -28,7 +36,6 @@ def _birdnet_processes() -> set[int]:
 
 @pytest.mark.timeout(240)
 def test_demo_trains_and_cleans_up():
-    before_shm = set(os.listdir("/dev/shm"))
     r = subprocess.run([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "3", "--epochs", "4", "--json"],
                        capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -37,12 +44,11 @@ def test_demo_trains_and_cleans_up():
     assert res["identical_parameters_on_all_nodes"] and res["daemon_exit_codes"] == [0, 0, 0]
     assert res["bytes_sent_per_worker"] > 0
     assert not _birdnet_processes()
-    assert {f for f in set(os.listdir("/dev/shm")) - before_shm if f.startswith("bn")} == set()
+    assert _segments_of(res["sockets"]) == set()
 
 
 @pytest.mark.timeout(120)
 def test_demo_ctrl_c_leaves_nothing():
-    before_shm = set(os.listdir("/dev/shm"))
     p = subprocess.Popen([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "2", "--epochs", "50"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -62,4 +68,7 @@ def test_demo_ctrl_c_leaves_nothing():
     assert p.returncode == 130
     time.sleep(0.5)
     assert not _birdnet_processes()
-    assert {f for f in set(os.listdir("/dev/shm")) - before_shm if f.startswith("bn")} == set()
+    hosts = seen.split("hosts file ", 1)[1].split(")", 1)[0]
+    sockets = [os.path.join(os.path.dirname(hosts), f"node{i}.sock") for i in range(2)]
+    assert _segments_of(sockets) == set()
+    assert not os.path.exists(os.path.dirname(hosts))  # the demo's working directory is gone too
