@@ -167,7 +167,8 @@ class _DistributedOptimizer:
     """Mixed into a subclass of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _birdnet_setup(self, named_parameters, codec, codec_params, bucket_bytes, client: Client,
-                       momentum_in_codec: bool, backward_passes_per_step: int, timeout: float | None) -> None:
+                       momentum_in_codec: bool, backward_passes_per_step: int, timeout: float | None,
+                       overlap: bool) -> None:
         self._bn_client = client
         self._bn_codec, self._bn_codec_params = codec, dict(codec_params or {})
         self._bn_timeout = timeout
@@ -188,7 +189,7 @@ class _DistributedOptimizer:
         self._bn_counts: dict[int, int] = {}
         self._bn_next = 0  # index of the next bucket to submit
         self._bn_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                          for b in self._bn_buckets for _n, p, _o, _k in b.entries]
+                          for b in self._bn_buckets for _n, p, _o, _k in b.entries] if overlap else []
         #: per-bucket round figures of the last step (bytes, ratio, codec, seconds)
         self.last_stats: list[dict[str, Any]] = []
 
@@ -396,7 +397,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          codec: str | None = None, codec_params: Mapping[str, Any] | None = None, *,
                          bucket_bytes: int = BUCKET_BYTES, client: Client | None = None,
                          socket: str | None = None, job: str = "default", momentum_in_codec: bool = False,
-                         backward_passes_per_step: int = 1, timeout: float | None = None) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, timeout: float | None = None,
+                         overlap: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are averaged over all processes of the job before each step.
 
     The result is an instance of a subclass of ``type(optimizer)`` sharing its ``param_groups`` and
@@ -423,6 +425,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         Backward passes accumulated locally before the all-reduce (gradient accumulation).
     timeout : float, optional
         Seconds ``step()`` waits for a bucket before raising ``RoundTimeoutError``; None = no limit.
+    overlap : bool
+        True: all-reduce each bucket as soon as backward has filled it. False: register no hooks and
+        all-reduce every bucket in ``step()``, after backward (for comparison: ``birdnet.bench.overlap``;
+        ``backward_passes_per_step`` then does not apply: every step reduces what ``.grad`` holds).
     """
     if isinstance(optimizer, _DistributedOptimizer):
         raise InputError("this optimizer is already a DistributedOptimizer")
@@ -432,7 +438,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)  # the same param_groups and state objects, not copies
     dist._birdnet_setup(named_parameters, codec, codec_params, bucket_bytes, client, momentum_in_codec,
-                        backward_passes_per_step, timeout)
+                        backward_passes_per_step, timeout, overlap)
     return dist
 
 
