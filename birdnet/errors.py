@@ -92,7 +92,8 @@ _BY_NAME = {cls.__name__: cls for cls in [
 
 def to_wire(exc: BaseException) -> dict:
     """Encode an exception for the client socket."""
-    name = type(exc).__name__ if type(exc).__name__ in _BY_NAME else "BirdnetError"
+    # the nearest class the other side knows (e.g. the daemon's RoundAborted travels as PeerLostError)
+    name = next((c.__name__ for c in type(exc).__mro__ if _BY_NAME.get(c.__name__) is c), "BirdnetError")
     return {"error": name, "message": str(exc)}
 
 

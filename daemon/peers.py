@@ -340,7 +340,6 @@ class PeerNet:
     def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
         reason = None
         expected = self.left.rank
-        now = time.monotonic()
         who = self._peer_of_connection(frame) if self.curve is not None else None
         if h.get("proto") != PROTOCOL_VERSION:
             reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
@@ -358,17 +357,13 @@ class PeerNet:
         elif self.curve is not None and not (who or "").startswith(f"rank {expected} "):
             reason = (f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank "
                       f"{expected}")
-        elif (identity != self.left_identity and self.left_identity is not None
-              and now - self.left_seen < self.settings.peer_timeout):
-            # Someone else claims to be our left neighbour while the accepted one is alive: refuse,
-            # or a stray process could take the ring's data. A restarted neighbour is accepted as
-            # soon as its earlier incarnation has been silent for peer_timeout.
-            reason = (f"rank {expected} is already connected (alive {now - self.left_seen:.1f} s ago) from another "
-                      f"connection; a second connection claiming rank {expected} is refused")
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})
             return
+        # The newest connection that passes the checks is the left neighbour, so a restarted
+        # neighbour is taken back at its first ping. Without CURVE anyone who can reach this port
+        # could pose as it (docs/security.md); with CURVE the key must be the left neighbour's.
         if identity != self.left_identity:
             log.info("left neighbour rank %d (%s) connected (incarnation %s)", expected, self.left.address,
                      h.get("inc"))

@@ -1,0 +1,291 @@
+"""Faults on real processes: daemons killed (SIGKILL) and restarted, clients killed, SIGTERM in a
+round, stale shared memory, a link cut and restored (network namespaces). LocalCluster passes
+--peer-timeout 4 --heartbeat-interval 0.25, so "within the timeout" means about 4 s."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from birdnet.bench import netns
+from cluster import LocalCluster
+
+PEER_TIMEOUT = 4.0
+SLACK = 3.0  # detection runs on heartbeats (0.25 s) and the loops' poll intervals
+HERE = Path(__file__).resolve().parent
+
+
+class Driver:
+    """A long-lived training process (tests/client_driver.py) that survives daemon restarts."""
+
+    def __init__(self, sock: str, job: str = "default") -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "client_driver.py"), sock, job], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.ready = self.read(30)
+        assert self.ready.get("ready"), self.ready
+
+    def send(self, cmd: str) -> None:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout: float = 30) -> dict:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError(f"no answer from the client within {timeout} s (a hang)")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client exited: {self.proc.stderr.read()[-2000:]}")
+        return json.loads(line)
+
+    def call(self, cmd: str, timeout: float = 30) -> dict:
+        self.send(cmd)
+        return self.read(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+def together(ds: list[Driver], cmd: str, timeout: float = 30) -> list[dict]:
+    """Every driver runs ``cmd`` (a collective: all must be sent before any answer can come)."""
+    for x in ds:
+        x.send(cmd)
+    return [x.read(timeout) for x in ds]
+
+
+@pytest.fixture
+def drivers():
+    started: list[Driver] = []
+
+    def make(sock: str, job: str = "default") -> Driver:
+        d = Driver(sock, job)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.kill()
+
+
+def shm_prefix(sock: str) -> str:
+    import hashlib
+    return "bn" + hashlib.blake2b(os.path.abspath(sock).encode(), digest_size=4).hexdigest() + "-"
+
+
+def segments(sock: str) -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(shm_prefix(sock)))
+
+
+def restart(cl: LocalCluster, i: int, timeout: float = 30.0) -> None:
+    """Start node i again and wait until *its* socket accepts connections (a killed daemon leaves
+    its socket file behind, so the file existing says nothing; connecting to it is refused)."""
+    import socket as pysocket
+    cl.start_node(i, wait=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        try:
+            s.connect(cl.sockets[i])
+            return
+        except OSError:
+            pass
+        finally:
+            s.close()
+        if cl.procs[i].poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daemon {i} did not come back: {cl.log(i)[-2000:]}")
+        time.sleep(0.05)
+
+
+def wait_ring_ok(cl: LocalCluster, timeout: float = 20.0) -> float:
+    """Seconds until every daemon reports every peer reachable."""
+    from birdnet.client import Client
+    t0 = time.monotonic()
+    while True:
+        states = []
+        for s in cl.sockets:
+            try:
+                with Client(s, job="__test_status__", connect_timeout=2) as c:
+                    states += [p["state"] for p in c.status()["peers"]]
+            except Exception as exc:  # noqa: BLE001 - a restarting daemon
+                states.append(repr(exc))
+        if all(st in ("self", "connected", "ok") for st in states):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"ring did not recover within {timeout} s: {states}")
+        time.sleep(0.25)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, drivers):
+    with LocalCluster(3, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        for x in d:
+            x.send("buffer 1000")
+        assert [x.read()["ok"] for x in d] == [6.0] * 3
+        old = segments(cl.sockets[1])
+        assert old, "node 1's client holds a segment"
+        # A long round: node 2's process is late, so nodes 0 and 1 wait in the round.
+        d[0].send("round 1000")
+        d[1].send("round 1000")
+        d[2].send("delay 2 round 1000")
+        time.sleep(0.5)
+        t_kill = time.monotonic()
+        cl.send_signal(1, signal.SIGKILL)
+        cl.procs[1].wait(10)
+        r0, r1, r2 = d[0].read(PEER_TIMEOUT + 10), d[1].read(10), d[2].read(PEER_TIMEOUT + 10)
+        waited = time.monotonic() - t_kill
+        # the killed node's own process learns it at once; the others name the lost peer
+        assert r1["error"] == "DaemonUnavailableError" and r1["seconds"] < 3, r1
+        for r in (r0, r2):
+            assert r["error"] == "PeerLostError" and "rank 1" in r["message"], r
+        assert waited < PEER_TIMEOUT + SLACK, waited
+        # the killed instance's shared memory is still there, until the next start removes it
+        left = segments(cl.sockets[1])
+        assert set(old) <= set(left)
+        restart(cl, 1)
+        assert set(left).isdisjoint(segments(cl.sockets[1]))
+        assert f"removed {len(left)} shared-memory segment(s) left by an earlier instance" in cl.log(1)
+        wait_ring_ok(cl)
+        # nobody else restarted: node 1's process reconnects by itself; call numbers still agree
+        for cmd in ("round 1000", "buffer 1000"):
+            for x in d:
+                x.send(cmd)
+            res = [x.read() for x in d]
+            assert [r.get("ok") for r in res] == [6.0] * 3, res
+        assert res[1]["same"]  # a buffer() array of the old daemon still gets its result in place
+
+
+@pytest.mark.timeout(120)
+def test_client_killed_mid_round_frees_its_session_and_others_go_on(tmp_path, drivers):
+    with LocalCluster(3, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert [r.get("ok") for r in together(d, "round 100000")] == [6.0] * 3
+        assert segments(cl.sockets[1])
+        d[1].send("round 100000")  # submitted; the round waits for nodes 0 and 2
+        time.sleep(0.5)
+        d[1].kill()
+        t = time.monotonic()
+        while segments(cl.sockets[1]) and time.monotonic() - t < 5:
+            time.sleep(0.1)
+        assert segments(cl.sockets[1]) == []  # session and shared memory freed
+        assert "left job 'default' (process exited)" in cl.log(1)
+        # the killed process's contribution was handed over: the round in flight completes
+        assert [r.get("ok") for r in together([d[0], d[2]], "round 100000")] == [6.0, 6.0]
+        # the job's next round cannot complete on node 1: a fast, clear error, not a round_timeout wait
+        d[0].send("round 10")
+        d[2].send("round 10")
+        for r in (d[0].read(15), d[2].read(15)):
+            assert r["error"] == "ProcessLostError" and "node rank 1" in r["message"], r
+            assert r["seconds"] < 3
+        # other jobs and nodes go on
+        e = [drivers(s, job="second") for s in cl.sockets]
+        assert [r.get("ok") for r in together(e, "round 10")] == [6.0] * 3
+
+
+@pytest.mark.timeout(120)
+def test_daemon_restarted_while_clients_idle(tmp_path, drivers):
+    with LocalCluster(2, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert [r.get("ok") for r in together(d, "round 10")] == [3.0, 3.0]
+        assert cl.stop_node(1) == 0
+        restart(cl, 1)
+        took = wait_ring_ok(cl)
+        assert took < PEER_TIMEOUT + SLACK
+        for x in d:
+            x.send("round 10")
+        res = [x.read() for x in d]
+        assert [r.get("ok") for r in res] == [3.0, 3.0], res
+        # killed while idle, restarted: the same
+        cl.send_signal(0, signal.SIGKILL)
+        cl.procs[0].wait(10)
+        restart(cl, 0)
+        wait_ring_ok(cl)
+        for x in d:
+            x.send("round 10")
+        res = [x.read() for x in d]
+        assert [r.get("ok") for r in res] == [3.0, 3.0], res
+
+
+@pytest.mark.timeout(60)
+def test_next_call_without_a_daemon_fails_clearly(tmp_path, drivers):
+    with LocalCluster(1, tmp_path) as cl:
+        d = drivers(cl.sockets[0])
+        assert d.call("round 10")["ok"] == 1.0
+        cl.stop_node(0)
+        r = d.call("round 10", 30)
+        assert r["error"] == "DaemonUnavailableError" and "went away" in r["message"], r
+        assert r["seconds"] < 12  # reconnect_timeout (10 s) at most
+        restart(cl, 0)
+        assert d.call("round 10")["ok"] == 1.0
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
+    with LocalCluster(2, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert [r.get("ok") for r in together(d, "round 1000")] == [3.0, 3.0]
+        d[0].send("round 1000")  # node 1's process is not coming: the round waits
+        time.sleep(0.5)
+        assert segments(cl.sockets[0])
+        t = time.monotonic()
+        code = cl.stop_node(0, signal.SIGTERM)
+        assert code == 0 and time.monotonic() - t < 8
+        r = d[0].read(10)
+        assert r["error"] in ("ShutdownError", "DaemonUnavailableError"), r
+        assert segments(cl.sockets[0]) == [] and not os.path.exists(cl.sockets[0])
+        assert "stopped" in cl.log(0)
+        # a round in its data phase: a large tensor on both nodes, SIGTERM while it runs
+        restart(cl, 0)
+        wait_ring_ok(cl)
+        for x in d:
+            x.send("round 20000000")
+        time.sleep(0.3)
+        code = cl.stop_node(1, signal.SIGTERM)
+        assert code == 0
+        res = [x.read(PEER_TIMEOUT + 10) for x in d]
+        assert all(("ok" in r and r["ok"] == 3.0) or r.get("error") in ("ShutdownError", "PeerLostError",
+                                                                          "DaemonUnavailableError", "RoundAborted")
+                   for r in res), res
+        assert segments(cl.sockets[1]) == []
+
+
+ok_ns, why_ns = netns.available()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.netns
+@pytest.mark.skipif(not ok_ns, reason=f"network namespaces unavailable: {why_ns}")
+def test_link_cut_times_out_then_recovers(tmp_path, drivers):
+    with netns.NetnsCluster(3) as nc:
+        cl = LocalCluster(3, tmp_path, addresses=nc.addresses, prefixes=[nc.exec_prefix(i) for i in range(3)])
+        with cl:
+            d = [drivers(s) for s in cl.sockets]
+            assert [r.get("ok") for r in together(d, "round 1000")] == [6.0] * 3
+            nc.link(1, False)
+            t = time.monotonic()
+            for x in d:
+                x.send("round 1000")
+            res = [x.read(PEER_TIMEOUT + 15) for x in d]
+            for r in res:
+                assert r.get("error") == "PeerLostError" and "rank" in r["message"], r
+            assert time.monotonic() - t < PEER_TIMEOUT + SLACK
+            nc.link(1, True)
+            took = wait_ring_ok(cl, timeout=30)
+            for x in d:
+                x.send("round 1000")
+            res = [x.read(30) for x in d]
+            assert [r.get("ok") for r in res] == [6.0] * 3, (res, took)
