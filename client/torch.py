@@ -67,7 +67,8 @@ refused.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -76,8 +77,13 @@ import torch
 from birdnet.client import Client, Handle
 from birdnet.errors import InputError
 
-__all__ = ["init", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "BUCKET_BYTES"]
+__all__ = [
+    "BUCKET_BYTES",
+    "DistributedOptimizer",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "init",
+]
 
 #: default bucket size: large enough to amortise a round's fixed cost (a start/go exchange round
 #: the ring), small enough that the first bucket is ready early in backward

@@ -104,7 +104,7 @@ class MetricsServer:
         class Handler(BaseHTTPRequestHandler):
             server_version = f"birdnetd/{__version__}"
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     body, ctype, code = metrics.render().encode(), CONTENT_TYPE, 200
@@ -155,7 +155,7 @@ class MetricsServer:
                     self.round_seconds.observe(float(st["seconds"]))
                 if rnd.error is None and rnd.kind == "allreduce" and "ratio" in st:
                     self.last_ratio = float(st["ratio"])
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("metrics: could not record round %s", getattr(rnd, "key", "?"))
 
     # -- rendering --------------------------------------------------------------------------------

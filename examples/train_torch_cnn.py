@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         res = [train(a.socket, -1, -1, cfg)]
     else:
         from birdnet.bench.cluster import LocalCluster
-        with tempfile.TemporaryDirectory(prefix="birdnet-cnn-") as tmp:
-            with LocalCluster(a.nodes, Path(tmp), local_size=a.local_size) as cl:
-                print(f"{a.nodes} daemons on loopback, {a.nodes * a.local_size} training processes, "
-                      f"codec {a.codec or 'none'}", flush=True)
-                res = cl.run(train, cfg, timeout=3600)
+        with tempfile.TemporaryDirectory(prefix="birdnet-cnn-") as tmp, \
+                LocalCluster(a.nodes, Path(tmp), local_size=a.local_size) as cl:
+            print(f"{a.nodes} daemons on loopback, {a.nodes * a.local_size} training processes, "
+                  f"codec {a.codec or 'none'}", flush=True)
+            res = cl.run(train, cfg, timeout=3600)
     res.sort(key=lambda r: r["rank"])
     r0 = res[0]
     print(f"final test accuracy {r0['accuracy'][-1]:.3f} after {len(r0['accuracy'])} epochs, "

@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from cluster import LocalCluster, free_ports
 import workers
+from cluster import LocalCluster, free_ports
 
 parser = pytest.importorskip("prometheus_client.parser",
                              reason="prometheus-client (test extra) is needed to parse /metrics")
@@ -60,7 +60,6 @@ def test_metrics_endpoint_parsed_by_prometheus(tmp_path):
         cl.run(workers.fill_sum, sizes)
         # the codec path as well (error-feedback state shows up in birdnet_codec_state_bytes)
         cl.run(workers.random_mean, 50000, 3, "float32", 2, "topk", {"density": 0.05})
-        time.sleep(0.3)  # the daemon's main loop records finished rounds
         ms = [scrape(p) for p in ports]
         hosts = [line.strip() for line in cl.hosts.read_text().splitlines() if line and not line.startswith("#")]
         log = cl.log(0)

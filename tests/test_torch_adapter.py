@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) for the PyTorch adapter")
 
-from cluster import LocalCluster  # noqa: E402
+from cluster import LocalCluster
 
 STEPS = 5
 BATCH = 16  # per process
@@ -176,7 +176,7 @@ def test_momentum_in_codec_compressed_bucket(results):
     assert_identical(runs)
     codecs = [st["codec"] for st in runs[0]["stats"][-1]]
     assert codecs == ["none", "topk", "none"]  # fc.weight (1440 elements) is compressed
-    fc = [st for st in runs[0]["stats"][-1] if st["codec"] == "topk"][0]
+    fc = next(st for st in runs[0]["stats"][-1] if st["codec"] == "topk")
     assert fc["ratio"] > 2
 
 
@@ -196,21 +196,21 @@ def test_broadcast_optimizer_state(results):
 def test_wrapper_is_the_optimizer_class_and_rejects_bad_settings(tmp_path):
     import birdnet.client.torch as bnt
     from birdnet.client import Client
+
     from birdnet.errors import InputError
-    with LocalCluster(1, tmp_path) as cl:
-        with Client(cl.sockets[0], job="t") as client:
-            model = mlp()
-            base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            opt = bnt.DistributedOptimizer(base, named_parameters=model.named_parameters(), client=client)
-            assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
-            torch.optim.lr_scheduler.StepLR(opt, 1)  # schedulers accept it
-            opt.remove_hooks()
-            with pytest.raises(InputError, match="momentum-correction codec"):
-                bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                         client=client, momentum_in_codec=True)
-            with pytest.raises(InputError, match="nesterov"):
-                bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
-                                         client=client, momentum_in_codec=True, codec="topk")
-            with pytest.raises(InputError, match="not in named_parameters"):
-                bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), client=client,
-                                         named_parameters=list(model.named_parameters())[:1])
+    with LocalCluster(1, tmp_path) as cl, Client(cl.sockets[0], job="t") as client:
+        model = mlp()
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = bnt.DistributedOptimizer(base, named_parameters=model.named_parameters(), client=client)
+        assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
+        torch.optim.lr_scheduler.StepLR(opt, 1)  # schedulers accept it
+        opt.remove_hooks()
+        with pytest.raises(InputError, match="momentum-correction codec"):
+            bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     client=client, momentum_in_codec=True)
+        with pytest.raises(InputError, match="nesterov"):
+            bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+                                     client=client, momentum_in_codec=True, codec="topk")
+        with pytest.raises(InputError, match="not in named_parameters"):
+            bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), client=client,
+                                     named_parameters=list(model.named_parameters())[:1])
