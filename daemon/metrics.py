@@ -15,7 +15,7 @@ metric                                 type       meaning
                                                   neighbour, the only peer a ring node sends to)
 ``birdnet_bytes_received_total``       counter    bytes received from a peer (the left neighbour)
 ``birdnet_compression_ratio``          gauge      dense ring bytes / bytes really sent, last all-reduce
-``birdnet_round_seconds``              histogram  duration of each successful round's data phase
+``birdnet_round_seconds``              histogram  data phase of each successful all-reduce / broadcast
 ``birdnet_compress_seconds_total``     counter    time spent in codec compress/decompress
 ``birdnet_codec_state_bytes``          gauge      memory held by codec state (error feedback, momentum)
 ``birdnet_peer_up``                    gauge      1 if the peer is reachable (or is this node), else 0
@@ -199,7 +199,7 @@ class MetricsServer:
         family("birdnet_compression_ratio", "gauge",
                "Dense ring bytes divided by bytes really sent, for the last all-reduce.",
                [({}, ratio)] if ratio is not None else [])
-        out.append("# HELP birdnet_round_seconds Duration of each successful round's data phase on this node.")
+        out.append("# HELP birdnet_round_seconds Data phase of each successful all-reduce or broadcast on this node.")
         out.append("# TYPE birdnet_round_seconds histogram")
         for le, c in hist:
             out.append(f"birdnet_round_seconds_bucket{_labels({'le': le})} {c}")
