@@ -35,8 +35,8 @@ def snapshot(model) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
-def reference(make, momentum: float, steps: int = STEPS, world: int = 2) -> list[dict[str, np.ndarray]]:
-    """Single-process training on the concatenated batch of all processes."""
+def reference(make, momentum: float, steps: int = STEPS, world: int = 2, scale: float = 1.0) -> list[dict[str, np.ndarray]]:
+    """Single-process training on the concatenated batch of all processes (loss times ``scale``)."""
     torch.manual_seed(100)  # rank 0's initialisation, which broadcast_parameters hands to everyone
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum, weight_decay=WD)
@@ -44,26 +44,29 @@ def reference(make, momentum: float, steps: int = STEPS, world: int = 2) -> list
     out = []
     for s in range(steps):
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[s]), y[s]).backward()
+        (scale * torch.nn.functional.cross_entropy(model(x[s]), y[s])).backward()
         opt.step()
         out.append(snapshot(model))
     return out
 
 
-def train(client, bnt, make, *, momentum_in_codec=False, codec=None, codec_params=None, job_tag=""):
+def train(client, bnt, make, *, momentum_in_codec=False, codec=None, codec_params=None, passes=1):
     torch.manual_seed(100 + client.rank)  # different on purpose: broadcast_parameters must fix it
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
     opt = bnt.DistributedOptimizer(opt, named_parameters=model.named_parameters(), client=client,
                                    bucket_bytes=1024, codec=codec, codec_params=codec_params,
-                                   momentum_in_codec=momentum_in_codec, timeout=60)
+                                   momentum_in_codec=momentum_in_codec, timeout=60,
+                                   backward_passes_per_step=passes)
     bnt.broadcast_parameters(model.state_dict(), root_rank=0, client=client)
     x, y = data(STEPS, client.size)
     lo, hi = client.rank * BATCH, (client.rank + 1) * BATCH
     snaps, stats, grad_in_shm = [], [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=(s % 2 == 0))  # both: fresh .grad tensors, and in-place into the buckets
-        torch.nn.functional.cross_entropy(model(x[s, lo:hi]), y[s, lo:hi]).backward()
+        for k in range(passes):  # gradient accumulation: the halves' gradients add up locally
+            part = slice(lo + k * BATCH // passes, lo + (k + 1) * BATCH // passes)
+            torch.nn.functional.cross_entropy(model(x[s, part]), y[s, part]).backward()
         opt.step()
         snaps.append(snapshot(model))
         stats.append(opt.last_stats)
@@ -100,7 +103,8 @@ def worker(sock, node, local):
         tiny = train(client, bnt, mlp, momentum_in_codec=True, codec="topk", codec_params={"density": 0.1})
         coded = train(client, bnt, cnn, momentum_in_codec=True, codec="topk", codec_params={"density": 0.1})
         state = optimizer_state(client, bnt)
-        return {"rank": client.rank, "dense": dense, "tiny": tiny, "coded": coded, "state": state}
+        accumulated = train(client, bnt, cnn, passes=2)
+        return {"rank": client.rank, "dense": dense, "accumulated": accumulated, "tiny": tiny, "coded": coded, "state": state}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +138,14 @@ def test_dense_matches_single_process_and_is_bit_identical(results):
     assert all(st["codec"] == "none" for st in runs[0]["stats"][0])
     # after a step with zero_grad(set_to_none=False), .grad lives in the shared-memory buckets
     assert all(runs[0]["grad_in_shm"])
+
+
+@pytest.mark.timeout(200)
+def test_backward_passes_per_step(results):
+    runs = [r["accumulated"] for r in results]
+    assert_identical(runs)
+    # two half-batch means summed = twice the mean over the whole batch
+    assert_close(runs[0], reference(cnn, MOMENTUM, scale=2.0))
 
 
 @pytest.mark.timeout(200)
@@ -204,6 +216,14 @@ def test_wrapper_is_the_optimizer_class_and_rejects_bad_settings(tmp_path):
         opt = bnt.DistributedOptimizer(base, named_parameters=model.named_parameters(), client=client)
         assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
         torch.optim.lr_scheduler.StepLR(opt, 1)  # schedulers accept it
+        x, y = data(1, 1)
+        torch.nn.functional.cross_entropy(model(x[0]), y[0]).backward()
+        with pytest.raises(InputError, match="more than backward_passes_per_step=1 times"):
+            torch.nn.functional.cross_entropy(model(x[0]), y[0]).backward()
+        opt.step()  # the rounds already in flight complete; the optimizer stays usable
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[0]), y[0]).backward()
+        opt.step()
         opt.remove_hooks()
         with pytest.raises(InputError, match="momentum-correction codec"):
             bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
