@@ -355,18 +355,43 @@ class RingWorker(threading.Thread):
                             f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
                             f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
             if self.rank == 0 and self.order and not lost:
-                self._lead(self.ready[self.order[0]])
+                rnd = self.ready[self.order[0]]
+                try:
+                    self._lead(rnd)
+                except Exception as exc:  # noqa: BLE001 - bad bytes from the ring must not stop it
+                    log.exception("round %s failed inside the leader", rnd.key)
+                    if rnd.key in self.ready:
+                        self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
                 continue
+            if self.rank != 0:
+                self._expire_unstarted()
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
-            if msg is not None and msg["h"].get("t") == "start":
+            # Only followers act on a start; the leader's own starts come back inside _lead.
+            if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
                 try:
                     self._follow(msg["h"])
-                except BirdnetError as exc:  # e.g. the right neighbour is not connected
+                except Exception as exc:  # noqa: BLE001 - e.g. the right neighbour is not connected
                     key = msg["h"].get("k")
+                    if not isinstance(exc, BirdnetError):
+                        log.exception("round %r failed inside a follower", key)
+                        exc = InputError(f"round {key!r} failed inside the daemon: {exc!r}")
                     log.warning("round %s: %s", key, exc)
                     if isinstance(key, str) and key in self.ready:
                         self._finish(self.ready[key], exc)
+
+    def _expire_unstarted(self) -> None:
+        """A follower's round the leader never starts (its job's processes on another node never
+        submitted it) fails after round_timeout instead of waiting forever."""
+        limit = self.settings.round_timeout + self.settings.peer_timeout
+        now = time.monotonic()
+        for key in list(self.order):
+            rnd = self.ready[key]
+            if now - rnd.ready_at > limit:
+                self._finish(rnd, RoundTimeoutError(
+                    f"round {key} for tensor {rnd.desc.get('name')!r} was never started by the leader (rank 0) "
+                    f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
+                    "node did not submit it"))
 
     def _wait_message(self, want: str, key: str, deadline: float) -> dict:
         """Wait for a control message ``want`` of round ``key`` from the left neighbour."""
@@ -410,7 +435,10 @@ class RingWorker(threading.Thread):
             h = self._wait_message("start", key, deadline)
             descs = self._check_descs(h, key)
             problem = describe_difference(descs)
-            counts = [int(d.get("count", 0)) for _, d in descs]
+            counts = [d.get("count", 0) for _, d in descs]
+            if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts):
+                from birdnet.errors import ProtocolError
+                raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
             errc = error_class(descs)
             self.net.send({"t": "go", "k": key, "ok": problem is None, "err": problem, "errc": errc,
                            "counts": counts})
@@ -466,6 +494,10 @@ class RingWorker(threading.Thread):
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
                 self._abort(key, str(msg["h"].get("reason")))
                 return
+            if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("k") != key:
+                # the leader moved on (it abandoned this round): follow the newer one
+                self.pending_start = msg
+                return
         rnd = self.ready[key]
         descs.append([self.rank, self._own_desc(rnd)])
         self.net.send({"t": "start", "k": key, "descs": descs})
@@ -485,7 +517,8 @@ class RingWorker(threading.Thread):
             self._finish(rnd, from_wire({"error": g.get("errc") or "RoundMismatchError", "message": str(g.get("err"))}))
             return
         counts = g.get("counts")
-        if not isinstance(counts, list) or len(counts) != self.world:
+        if (not isinstance(counts, list) or len(counts) != self.world
+                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts)):
             self._finish(rnd, PeerLostError(f"round {key}: malformed go message"))
             return
         self._data_phase(rnd, RoundTransport(self.net, key), [int(c) for c in counts])

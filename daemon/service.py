@@ -289,6 +289,9 @@ class Daemon:
             raise InputError("job name must be 1..200 characters")
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
+        for other in [x for x in self.sessions.values() if x.job == job and x.pid == pid]:
+            # the same process on a new connection (its old one was dropped): it takes its place
+            self.end_session(other.identity, "reconnected")
         if len(self.sessions) >= MAX_SESSIONS:
             raise InputError(f"birdnetd already serves {MAX_SESSIONS} client sessions")
         j = self.jobs.setdefault(job, Job(job))
