@@ -27,15 +27,19 @@ def mixed_rounds(sock, node, local, seconds, sizes, codecs, seed=0):
     so the sequence comes from ``seed`` and the round count is agreed by an allreduce."""
     rng = np.random.default_rng(seed)
     done = 0
+    combos = [(n, c) for n in sizes for c in codecs]  # every combination first (JIT warm-up), then random
     with Client(sock, job="soak") as c:
         deadline = time.monotonic() + seconds
         while True:
-            go_on = c.allreduce(np.array([1.0 if time.monotonic() < deadline else 0.0], np.float32),
+            more = done < len(combos) or time.monotonic() < deadline
+            go_on = c.allreduce(np.array([1.0 if more else 0.0], np.float32),
                                 op="sum", name="go", timeout=60)
             if go_on[0] < c.size:
                 break
-            n = int(rng.choice(sizes))
-            codec = str(rng.choice(codecs))
+            if done < len(combos):
+                n, codec = combos[done]
+            else:
+                n, codec = int(rng.choice(sizes)), str(rng.choice(codecs))
             x = np.full(n, c.rank + 1, np.float32)
             out = c.allreduce(x, op="sum", name=f"s{n}-{codec}", codec=codec, timeout=60)
             if codec == "none" and n and out[0] != c.size * (c.size + 1) / 2:
