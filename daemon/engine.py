@@ -29,6 +29,9 @@ from birdnet.ring.transport import MemoryRing
 
 log = logging.getLogger("birdnet.engine")
 
+#: rounds agreed in one start/go exchange at most (a training step's tensors, typically)
+MAX_BATCH = 32
+
 #: fields of a round description that must agree on every node
 AGREED = ("kind", "name", "shape", "dtype", "op", "codec", "root")
 
@@ -250,6 +253,7 @@ class RingWorker(threading.Thread):
         self.stopping = False
         self.rounds_done = 0
         self.rounds_failed = 0
+        self.agreements = 0  #: start/go exchanges this node took part in (several rounds each)
         self.last_round_seconds = 0.0
         self.pending_start: dict | None = None
         #: job -> why its rounds cannot complete on this node (a local process left); written by the
@@ -427,32 +431,62 @@ class RingWorker(threading.Thread):
             pass
 
     def _lead(self, rnd: LocalRound) -> None:
+        """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
+        that are ready here; each follower keeps the prefix of them that is ready on its node too, so
+        a training step's many tensors cost one agreement instead of one each."""
         from birdnet.daemon.peers import RoundTransport
         key = rnd.key
         deadline = rnd.ready_at + self.settings.round_timeout
+        extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         try:
-            self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]]})
+            self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]],
+                           "more": [[k, [[0, self._own_desc(self.ready[k])]]] for k in extras]})
             h = self._wait_message("start", key, deadline)
-            descs = self._check_descs(h, key)
-            problem = describe_difference(descs)
-            counts = [d.get("count", 0) for _, d in descs]
-            if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts):
-                from birdnet.errors import ProtocolError
-                raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
-            errc = error_class(descs)
-            self.net.send({"t": "go", "k": key, "ok": problem is None, "err": problem, "errc": errc,
-                           "counts": counts})
+            verdicts = [self._verdict(key, self._check_descs(h.get("descs"), key))]
+            more = h.get("more") if isinstance(h.get("more"), list) else []
+            for item in more:
+                if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                        or item[0] not in self.ready or item[0] not in extras):
+                    from birdnet.errors import ProtocolError
+                    raise ProtocolError(f"round {key}: malformed batch in the start message")
+                verdicts.append(self._verdict(item[0], self._check_descs(item[1], item[0])))
+            v0 = verdicts[0]
+            self.net.send({"t": "go", "k": key, "ok": v0[1], "err": v0[2], "errc": v0[3], "counts": v0[4],
+                           "more": [list(v) for v in verdicts[1:]]})
         except BirdnetError as exc:
             self._abort(key, f"rank 0: {exc}")
             self._finish(rnd, exc)
             return
-        if problem is not None:
-            self._finish(rnd, from_wire({"error": errc, "message": problem}))
-            return
-        self._data_phase(rnd, RoundTransport(self.net, key), counts)
+        self._run_batch(verdicts, RoundTransport)
 
-    def _check_descs(self, h: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
-        descs = h.get("descs")
+    def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> list[Any]:
+        """[key, ok, error message, error class, counts] for one round of a start."""
+        problem = describe_difference(descs)
+        counts = [d.get("count", 0) for _, d in descs]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts):
+            from birdnet.errors import ProtocolError
+            raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
+        return [key, problem is None, problem, error_class(descs), counts]
+
+    def _run_batch(self, verdicts: list[list[Any]], transport_cls) -> None:
+        """Run the agreed rounds in order. Once one fails in its data phase the rest of the batch
+        is failed here and aborted downstream, so no node waits for data that will not come."""
+        self.agreements += 1
+        failed: BirdnetError | None = None
+        for key, ok, err, errc, counts in verdicts:
+            rnd = self.ready.get(key)
+            if rnd is None:
+                continue
+            if not ok:
+                self._finish(rnd, from_wire({"error": errc or "RoundMismatchError", "message": str(err)}))
+            elif failed is not None:
+                self._abort(key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
+                self._finish(rnd, from_wire({"error": type(failed).__name__,
+                                             "message": f"an earlier round of the same batch failed: {failed}"}))
+            else:
+                failed = self._data_phase(rnd, transport_cls(self.net, key), [int(c) for c in counts])
+
+    def _check_descs(self, descs: Any, key: str) -> list[tuple[int, dict[str, Any]]]:
         from birdnet.errors import ProtocolError
         if (not isinstance(descs, list) or len(descs) != self.world
                 or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], dict) for x in descs)
@@ -500,7 +534,14 @@ class RingWorker(threading.Thread):
                 return
         rnd = self.ready[key]
         descs.append([self.rank, self._own_desc(rnd)])
-        self.net.send({"t": "start", "k": key, "descs": descs})
+        more = h.get("more") if isinstance(h.get("more"), list) else []
+        kept = []
+        for item in more:  # keep the prefix of the batch that is ready here too
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], list) or item[0] not in self.ready):
+                break
+            kept.append([item[0], item[1] + [[self.rank, self._own_desc(self.ready[item[0]])]]])
+        self.net.send({"t": "start", "k": key, "descs": descs, "more": kept})
         try:
             g = self._wait_message("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout)
         except BirdnetError as exc:
@@ -513,15 +554,17 @@ class RingWorker(threading.Thread):
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        if not g.get("ok"):
-            self._finish(rnd, from_wire({"error": g.get("errc") or "RoundMismatchError", "message": str(g.get("err"))}))
-            return
-        counts = g.get("counts")
-        if (not isinstance(counts, list) or len(counts) != self.world
-                or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts)):
-            self._finish(rnd, PeerLostError(f"round {key}: malformed go message"))
-            return
-        self._data_phase(rnd, RoundTransport(self.net, key), [int(c) for c in counts])
+        verdicts = [[key, bool(g.get("ok")), g.get("err"), g.get("errc"), g.get("counts")]]
+        for v in g.get("more") if isinstance(g.get("more"), list) else []:
+            if isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and v[0] in self.ready:
+                verdicts.append(v)
+        for v in verdicts:
+            c = v[4]
+            if (not isinstance(c, list) or len(c) != self.world
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
+                v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
+                v[4] = [0] * self.world
+        self._run_batch(verdicts, RoundTransport)
 
     def _pass_go(self, key: str) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""
@@ -532,7 +575,8 @@ class RingWorker(threading.Thread):
         if self.rank != self.world - 1:
             self.net.send(g)
 
-    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> None:
+    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
+        """Run one agreed round; returns its error (already reported) or None."""
         try:
             self.runner.run(rnd, transport, self.rank, self.world, counts)
         except BirdnetError as exc:
@@ -540,10 +584,12 @@ class RingWorker(threading.Thread):
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
             self._finish(rnd, exc)
-            return
+            return exc
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
             self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
-            self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
-            return
+            err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
+            self._finish(rnd, err)
+            return err
         self._finish(rnd)
+        return None

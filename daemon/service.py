@@ -506,6 +506,7 @@ class Daemon:
             "jobs": {name: {"processes": [{"local_rank": i, "pid": s.pid} for i, s in sorted(j.sessions.items())]}
                      for name, j in self.jobs.items()},
             "rounds_done": w.rounds_done if w else 0, "rounds_failed": w.rounds_failed if w else 0,
+            "round_agreements": w.agreements if w else 0,
             "last_round_seconds": w.last_round_seconds if w else 0.0,
             "bytes_sent": self.net.bytes_sent if self.net else 0,
             "bytes_received": self.net.bytes_received if self.net else 0,

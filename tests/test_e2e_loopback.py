@@ -167,3 +167,17 @@ def test_sigterm_exits_zero_and_cleans_shared_memory(tmp_path):
     prefixes = ["bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() for s in cl.sockets]
     leftovers = [f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)]
     assert leftovers == []
+
+
+@pytest.mark.timeout(180)
+def test_rounds_in_flight_are_agreed_in_batches_and_a_bad_one_fails_alone(tmp_path):
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.batch_of_async_rounds, 24, 7)
+    for out, status in res:
+        for i, (kind, value) in enumerate(out):
+            if i == 7:
+                assert kind == "RoundMismatchError" and "'b7'" in value and "shape" in value
+            else:
+                assert (kind, value) == ("ok", 3.0 * i)
+        # 24 rounds (+1 barrier) in flight at once need far fewer start/go exchanges than rounds
+        assert status["round_agreements"] < status["rounds_done"] + status["rounds_failed"]

@@ -86,3 +86,21 @@ def codec_rounds(sock, node, local, specs, n, rounds):
             c.reset_state()
             out[name + repr(sorted(params.items()))] = res
     return out
+
+
+def batch_of_async_rounds(sock, node, local, count, bad_index):
+    """``count`` all-reduces in flight at once; on node 2 the one at ``bad_index`` has another
+    shape. Returns per-round (ok, value-or-error) and the daemon's status."""
+    with Client(sock) as c:
+        c.barrier()
+        hs = []
+        for i in range(count):
+            n = 1001 + i if not (i == bad_index and node == 2) else 999
+            hs.append(c.allreduce_async(np.full(n, float(i), np.float32), op="sum", name=f"b{i}"))
+        out = []
+        for h in hs:
+            try:
+                out.append(("ok", float(h.wait(60)[0])))
+            except Exception as exc:  # noqa: BLE001
+                out.append((type(exc).__name__, str(exc)))
+        return out, c.status()

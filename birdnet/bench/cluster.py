@@ -65,13 +65,15 @@ class LocalCluster:
             self.wait_ready(i)
 
     def wait_ready(self, i: int) -> None:
+        """Until daemon i accepts connections on its socket (a file left by a killed instance
+        does not count)."""
         deadline = time.monotonic() + START_TIMEOUT
-        while not os.path.exists(self.sockets[i]):
+        while not _accepts(self.sockets[i]):
             p = self.procs[i]
             if p is not None and p.poll() is not None:
                 raise RuntimeError(f"daemon {i} exited with {p.returncode}: {self.logs[i].read_text()[-2000:]}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"daemon {i} did not create its socket: {self.logs[i].read_text()[-2000:]}")
+                raise TimeoutError(f"daemon {i} did not open its socket: {self.logs[i].read_text()[-2000:]}")
             time.sleep(0.05)
 
     def start(self) -> "LocalCluster":
@@ -151,6 +153,18 @@ class Workers:
     def terminate(self) -> None:
         self.pool.terminate()
         self.pool.join()
+
+
+def _accepts(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
 
 
 def _call(fn, sock, node, local, args):
