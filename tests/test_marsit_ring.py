@@ -175,7 +175,7 @@ def test_compensation_bookkeeping_weighted():
     """Property 8: sum_r w_r c_r = sum_r w_r p_r - W * out (global compensation)."""
     world, n, counts = 5, 1003, (1, 2, 1, 3, 1)
     rng = np.random.default_rng(8)
-    codec = get_codec("marsit", flush=0)
+    codec = get_codec("marsit", flush=0, compensation="global")
     states = [codec.new_state(n) for _ in range(world)]
     for rnd in range(3):
         xs = [rng.standard_normal(n).astype(np.float32) * counts[r] for r in range(world)]

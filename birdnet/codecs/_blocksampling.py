@@ -47,8 +47,11 @@ class BlockSamplingCodec(Codec):
     pattern = Pattern.GATHERED  # instances in ``shared`` mode set SUMMABLE in validate
 
     common_defaults: dict[str, Any] = {
-        "density": 0.01, "block": 32, "mode": "local", "value_dtype": "float32",
-        "scale": "none", "cap": 10.0, "error_feedback": True, "momentum": 0.0, "eps": 0.1,
+        # Measured (docs/codecs.md, "Choosing the defaults"): blocks of 8 and a scale capped at 10x
+        # reached dense accuracy on MNIST-1D at 4 and 8 workers with momentum correction; blocks
+        # of 32 lost 7-8 points, an uncapped scale diverged, no scale lost 3-4 points at 8 workers.
+        "density": 0.01, "block": 8, "mode": "local", "value_dtype": "float32",
+        "scale": "capped", "cap": 10.0, "error_feedback": True, "momentum": 0.0, "eps": 0.1,
     }
 
     # -- configuration ---------------------------------------------------------------------------
