@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
             print("birdnet demo needs scikit-learn for its data set: pip install 'birdnet[demo]'", file=sys.stderr)
             return 2
     from birdnet.bench.cluster import LocalCluster
-    from birdnet.bench.trainlib import train_worker
+    from birdnet.bench.trainlib import one_thread_per_worker, train_worker
+
+    one_thread_per_worker()
 
     cfg = {"data": a.data, "seed": a.seed, "epochs": a.epochs, "lr": a.lr, "momentum": 0.9, "batch": 32,
            "hidden": (128, 128), "codec": a.codec, "params": json.loads(a.codec_params), "job": "demo"}

@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from birdnet.bench.allreduce import label, parse_codecs
     from birdnet.bench.cluster import LocalCluster
-    from birdnet.bench.trainlib import train_worker
+    from birdnet.bench.trainlib import load, one_thread_per_worker, train_worker
+
+    one_thread_per_worker()
 
     codecs = parse_codecs(a.codecs)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with cl:
                 k = 0
+                data = {seed: load(a.data, seed) for seed in seeds}  # generated once, shared by the workers
                 for name, params in codecs:
                     for seed in seeds:
                         k += 1
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                         cfg = {"data": a.data, "seed": seed, "epochs": a.epochs, "lr": a.lr, "momentum": a.momentum,
                                "batch": a.batch, "hidden": tuple(int(h) for h in a.hidden.split(",")),
                                "codec": None if name == "none" else name, "params": params,
-                               "job": f"train-{k}"}
+                               "job": f"train-{k}", "arrays": data[seed]}
                         t0 = time.monotonic()
                         res = cl.run(train_worker, cfg, timeout=7200)
                         same = len({r["params_digest"] for r in res}) == 1

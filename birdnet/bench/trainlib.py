@@ -15,6 +15,14 @@ from typing import Any
 import numpy as np
 
 
+def one_thread_per_worker() -> None:
+    """All workers and daemons of a local cluster share this machine's cores: keep each worker's
+    BLAS to one thread (inherited by the spawned workers) instead of oversubscribing the cores."""
+    import os
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+
 def load(data: str, seed: int):
     """(X_train, y_train, X_test, y_test) float32/int; both sets are generated or shipped offline."""
     if data == "digits":
@@ -80,7 +88,8 @@ def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
     params, job, progress (a multiprocessing queue or None)."""
     from birdnet.client import Client
 
-    Xtr, ytr, Xte, yte = load(cfg["data"], cfg["seed"])
+    # the parent may have generated the data set once for all workers
+    Xtr, ytr, Xte, yte = cfg["arrays"] if cfg.get("arrays") is not None else load(cfg["data"], cfg["seed"])
     t0 = time.perf_counter()
     with Client(sock, job=cfg.get("job", "train")) as c:
         net = MLP(Xtr.shape[1], np.random.default_rng(cfg["seed"] + 1000 * c.rank), tuple(cfg.get("hidden", (512, 512))))
