@@ -32,6 +32,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"  {name}: {pids}")
     print(f"rounds done {st['rounds_done']}, failed {st['rounds_failed']}, last round {st['last_round_seconds']:.4f} s")
     print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
+    ratio = st.get("last_ratio")
+    print(f"last compression ratio {ratio:.1f}" if ratio is not None else "last compression ratio -",
+          f", codec time {st.get('compress_seconds_total', 0.0):.3f} s", sep="")
+    if st.get("round_seconds_count"):
+        mean = st["round_seconds_sum"] / st["round_seconds_count"]
+        print(f"round time: mean {mean:.4f} s over {st['round_seconds_count']} rounds; buckets (s<=: count) "
+              + ", ".join(f"{le}: {c}" for le, c in st["round_seconds_buckets"] if c))
     return 0
 
 

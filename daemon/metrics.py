@@ -25,7 +25,8 @@ metric                                 type       meaning
 Threading: scrapes run on the server's threads, rounds on the ring worker, round completion on the
 daemon's main thread. The server therefore only *reads* plain counters (an int attribute read is
 atomic in CPython) and never calls methods that change daemon state; the histogram and the
-last-round gauges are written by :meth:`MetricsServer.observe_round` on the main thread under a lock.
+last-round gauges are kept by :class:`RoundFigures` (written on the main thread under a lock), which
+every daemon has, with or without the metrics server (``birdnet status`` shows them too).
 """
 from __future__ import annotations
 
@@ -75,6 +76,37 @@ class Histogram:
         return out
 
 
+class RoundFigures:
+    """Per-round figures every daemon keeps (``birdnet status`` shows them; the metrics server,
+    when enabled, serves them): a histogram of round times, total codec time, the last ratio.
+    Written by the daemon's main thread, read by the metrics thread: guarded by a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.round_seconds = Histogram(ROUND_SECONDS_BUCKETS)
+        self.compress_seconds = 0.0
+        self.last_ratio: float | None = None
+
+    def observe(self, rnd: Any) -> None:
+        """Record a finished round. Never raises: figures must not disturb the daemon's loop."""
+        try:
+            st = rnd.stats
+            with self._lock:
+                self.compress_seconds += float(st.get("compress_seconds", 0.0) or 0.0)
+                if rnd.error is None and "seconds" in st:
+                    self.round_seconds.observe(float(st["seconds"]))
+                if rnd.error is None and rnd.kind == "allreduce" and "ratio" in st:
+                    self.last_ratio = float(st["ratio"])
+        except Exception:
+            log.exception("could not record the figures of round %s", getattr(rnd, "key", "?"))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"last_ratio": self.last_ratio, "compress_seconds_total": self.compress_seconds,
+                    "round_seconds_buckets": [[le, c] for le, c in self.round_seconds.cumulative()],
+                    "round_seconds_sum": self.round_seconds.sum, "round_seconds_count": self.round_seconds.count}
+
+
 class MetricsServer:
     """Serves ``daemon``'s figures at ``http://host:port/metrics``.
 
@@ -90,10 +122,6 @@ class MetricsServer:
         self.daemon = daemon
         self.host = host
         self.port = port
-        self._lock = threading.Lock()
-        self.round_seconds = Histogram(ROUND_SECONDS_BUCKETS)
-        self.compress_seconds = 0.0
-        self.last_ratio: float | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -143,21 +171,6 @@ class MetricsServer:
             self._thread.join(timeout=5.0)
             self._thread = None
 
-    # -- input from the daemon's main thread ------------------------------------------------------
-    def observe_round(self, rnd: Any) -> None:
-        """Record a finished round (called by ``Daemon.handle_finished`` for every round). Never
-        raises: a metrics problem must not disturb the daemon's loop."""
-        try:
-            st = rnd.stats
-            with self._lock:
-                self.compress_seconds += float(st.get("compress_seconds", 0.0) or 0.0)
-                if rnd.error is None and "seconds" in st:
-                    self.round_seconds.observe(float(st["seconds"]))
-                if rnd.error is None and rnd.kind == "allreduce" and "ratio" in st:
-                    self.last_ratio = float(st["ratio"])
-        except Exception:
-            log.exception("metrics: could not record round %s", getattr(rnd, "key", "?"))
-
     # -- rendering --------------------------------------------------------------------------------
     def render(self) -> str:
         d = self.daemon
@@ -191,11 +204,9 @@ class MetricsServer:
         family("birdnet_bytes_sent_total", "counter", "Bytes sent to a peer (the right ring neighbour).", sent)
         family("birdnet_bytes_received_total", "counter",
                "Bytes received from a peer (the left ring neighbour).", received)
-        with self._lock:
-            ratio = self.last_ratio
-            hist = self.round_seconds.cumulative()
-            hsum, hcount = self.round_seconds.sum, self.round_seconds.count
-            comp = self.compress_seconds
+        fig = d.figures.snapshot()
+        ratio, hist, comp = fig["last_ratio"], fig["round_seconds_buckets"], fig["compress_seconds_total"]
+        hsum, hcount = fig["round_seconds_sum"], fig["round_seconds_count"]
         family("birdnet_compression_ratio", "gauge",
                "Dense ring bytes divided by bytes really sent, for the last all-reduce.",
                [({}, ratio)] if ratio is not None else [])

@@ -100,6 +100,8 @@ class Daemon:
         self.net = None
         self.worker: RingWorker | None = None
         self.metrics = None
+        from birdnet.daemon.metrics import RoundFigures
+        self.figures = RoundFigures()
         self.curve = None
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -437,8 +439,7 @@ class Daemon:
             except queue.Empty:
                 return
             self.bytes_sent_total += int(rnd.stats.get("bytes_sent", 0) or 0)
-            if self.metrics is not None:
-                self.metrics.observe_round(rnd)
+            self.figures.observe(rnd)
             for session, call, slot in rnd.callers:
                 if session is None or self.sessions.get(session.identity) is not session:
                     continue  # the process is gone
@@ -508,6 +509,7 @@ class Daemon:
             "rounds_done": w.rounds_done if w else 0, "rounds_failed": w.rounds_failed if w else 0,
             "round_agreements": w.agreements if w else 0,
             "last_round_seconds": w.last_round_seconds if w else 0.0,
+            **self.figures.snapshot(),
             "bytes_sent": self.net.bytes_sent if self.net else 0,
             "bytes_received": self.net.bytes_received if self.net else 0,
             "state_bytes": self.states.total_bytes(),
