@@ -33,8 +33,11 @@ class LocalCluster:
 
     def __init__(self, n: int, tmp: Path, *, local_size: int = 1, extra: list[str] | None = None,
                  addresses: list[str] | None = None, prefixes: list[list[str]] | None = None,
-                 per_node_extra: list[list[str]] | None = None) -> None:
+                 per_node_extra: list[list[str]] | None = None, peer_timeout: float = 4.0,
+                 heartbeat_interval: float = 0.25) -> None:
         self.n, self.tmp, self.local_size = n, Path(tmp), local_size
+        # short timeouts suit tests (faults are noticed fast); benchmarks pass longer ones
+        self.peer_timeout, self.heartbeat_interval = peer_timeout, heartbeat_interval
         self.extra = list(extra or [])
         ports = free_ports(n) if addresses is None else [29600 + i for i in range(n)]
         addresses = addresses or ["127.0.0.1"] * n
@@ -49,7 +52,8 @@ class LocalCluster:
     def command(self, i: int) -> list[str]:
         return [*self.prefixes[i], sys.executable, "-m", "birdnet.daemon.main", "--peers", str(self.hosts),
                 "--rank", str(i), "--socket", self.sockets[i], "--local-size", str(self.local_size),
-                "--peer-timeout", "4", "--heartbeat-interval", "0.25", *self.extra, *self.per_node_extra[i]]
+                "--peer-timeout", str(self.peer_timeout), "--heartbeat-interval", str(self.heartbeat_interval),
+                *self.extra, *self.per_node_extra[i]]
 
     def start_node(self, i: int, wait: bool = True) -> None:
         env = dict(os.environ)

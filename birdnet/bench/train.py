@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     total = len(codecs) * len(seeds)
     with tempfile.TemporaryDirectory(prefix="birdnet-train-") as tmp:
-        cl = LocalCluster(a.nodes, Path(tmp), extra=["--peer-timeout", "60", "--heartbeat-interval", "1"])
+        cl = LocalCluster(a.nodes, Path(tmp), peer_timeout=60.0, heartbeat_interval=1.0)
         try:
             with cl:
                 k = 0
