@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"hidden": a.hidden, "layers": a.layers, "batch": a.batch, "steps": a.steps, "blocks": a.blocks,
            "bucket_kb": a.bucket_kb, "threads": a.threads, "codec": a.codec,
            "params": json.loads(a.codec_params) if a.codec else None}
-    extra = ["--peer-timeout", "60", "--heartbeat-interval", "1"]
+    slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}
     with tempfile.TemporaryDirectory(prefix="birdnet-overlap-") as tmp:
         if a.netns:
             ok, why = netns.available()
@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             # the training processes stay outside: their Unix sockets reach the daemons' namespaces
             with netns.NetnsCluster(a.nodes, a.rate) as nsc:
                 prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
-                with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes, extra=extra) as cl:
+                with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes, **slow) as cl:
                     res = cl.run(worker, cfg, timeout=3600)
         else:
-            with LocalCluster(a.nodes, Path(tmp), extra=extra) as cl:
+            with LocalCluster(a.nodes, Path(tmp), **slow) as cl:
                 res = cl.run(worker, cfg, timeout=3600)
     res.sort(key=lambda r: r["rank"])
     med = [{m: statistics.median(r["times"][m]) for m in MODES} for r in res]
