@@ -173,7 +173,11 @@ class RoundRunner:
             out = ring_allreduce(transport, x, timeout=self.settings.peer_timeout,
                                  chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key})
         else:
-            out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts)
+            # With one local float32 process the result goes straight into its shared memory (the
+            # codecs read x only while compressing, and never send from it).
+            dst = parts[0].array.reshape(-1) if (len(parts) == 1 and dtype == np.float32
+                                                 and rnd.kind == "allreduce") else None
+            out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts, dst)
         flush = getattr(transport, "flush", None)
         if flush is not None:  # zero-copy sends must be done before ``out`` is touched again
             flush(self.settings.peer_timeout)
@@ -192,7 +196,7 @@ class RoundRunner:
         st["seconds"] = time.perf_counter() - t0
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
-                   counts: list[int]) -> np.ndarray:
+                   counts: list[int], dst: np.ndarray | None = None) -> np.ndarray:
         d = rnd.desc
         params = {k: v for k, v in d["codec"].items() if k != "codec"}
         codec = get_codec(d["codec"]["codec"], **params)
@@ -213,7 +217,7 @@ class RoundRunner:
             summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
                                     wire_dtype=codec.wire_dtype, tag=tag)
             tc = time.perf_counter()
-            out = np.empty(n, np.float32)
+            out = dst if dst is not None else np.empty(n, np.float32)
             codec.decompress(Payload(header=payload.header, values=summed), out, ctx, state)
         elif codec.pattern == Pattern.GATHERED:
             payload = codec.compress(x, ctx, state)
@@ -221,7 +225,11 @@ class RoundRunner:
             header, bufs = pack_buffers(payload)
             got = ring_allgather(transport, header, bufs, timeout=timeout, tag={"key": rnd.key})
             tc = time.perf_counter()
-            out = np.zeros(n, np.float32)
+            if dst is not None:
+                out = dst
+                out.fill(0.0)
+            else:
+                out = np.zeros(n, np.float32)
             for r in range(world):  # rank order: the same sum, bit for bit, on every node
                 h, b = got[r]
                 views = [memoryview(np.ascontiguousarray(a)).cast("B") if isinstance(a, np.ndarray) else a for a in b]
@@ -229,10 +237,12 @@ class RoundRunner:
         elif codec.pattern == Pattern.MERGED:
             from birdnet.ring.merge import merged_allreduce
             comp = 0.0
-            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout)
+            # merged_allreduce runs the codec's after_round / after_flush itself
+            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout, out=dst)
         else:  # pragma: no cover - a codec declaring something else is a programming error
             raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
-        codec.after_round(state, out, ctx)
+        if codec.pattern != Pattern.MERGED:
+            codec.after_round(state, out, ctx)
         self.states.advance(rnd.job, d["name"])
         rnd.stats["compress_seconds"] = comp + (time.perf_counter() - tc)
         rnd.stats["state_bytes"] = self.states.total_bytes()

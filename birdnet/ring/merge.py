@@ -95,12 +95,14 @@ def _check_meta(meta: Any, where: str) -> dict[str, float]:
 
 
 def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: RoundContext, state: Any, *,
-                     timeout: float) -> np.ndarray:
+                     timeout: float, out: np.ndarray | None = None) -> np.ndarray:
     """All-reduce ``x`` (this node's contribution: float32, the sum of its local processes'
     gradients) with a MERGED codec; returns the dense float32 sum, bit-identical on every node.
 
     ``timeout`` is the longest wait for any one message from the left neighbour. ``state`` is the
-    codec's per-(job, tensor) state (compensation, momentum), updated in place.
+    codec's per-(job, tensor) state (compensation, momentum), updated in place (this function calls
+    the codec's ``after_round`` / ``after_flush`` itself). ``out`` (float32, n) receives the result
+    when given (it may be ``x``'s memory: ``x`` is not read after compression).
     """
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype != np.float32:
         raise InputError(f"tensor {ctx.name!r}: merged all-reduce takes a 1-D float32 vector, got "
@@ -121,6 +123,9 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
         total = ring_allreduce(transport, contrib, timeout=timeout, inplace=True,
                                tag={"codec": codec.name, "n": n, "flush": True})
         codec.after_flush(state, total, ctx)
+        if out is not None:
+            np.copyto(out, total)
+            return out
         return total
 
     payload = codec.compress(x, ctx, state)
@@ -213,7 +218,8 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
     bits = np.concatenate([np.asarray(b, dtype=np.uint8) for b in seg_bits]) if world > 1 else \
         np.ascontiguousarray(seg_bits[0])
     merged = Payload(header={"scales": scales, "metas": seg_meta, "bounds": bounds}, buffers=[bits])
-    out = np.empty(n, np.float32)
+    if out is None:
+        out = np.empty(n, np.float32)
     codec.decompress(merged, out, ctx, state)
     codec.after_round(state, out, ctx)
     return out
