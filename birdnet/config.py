@@ -60,6 +60,9 @@ class Settings:
     curve_allowed_keys: str | None = None  #: file with allowed peer public keys, one per line
     shm_group: str | None = None  #: group that may use the client socket and shared memory
     log_level: str = "INFO"
+    #: cluster-wide when on: go on without a lost node (the ring re-forms among the live nodes once a
+    #: majority is live, and takes a returning node back); docs/architecture.md "Elastic mode"
+    elastic: bool = False
 
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
                     "nan_policy")
@@ -94,7 +97,12 @@ class Settings:
         return hashlib.sha256(json.dumps(self.cluster_wide(), sort_keys=True).encode()).hexdigest()[:16]
 
     def cluster_wide(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.CLUSTER_WIDE}
+        cw = {k: getattr(self, k) for k in self.CLUSTER_WIDE}
+        if self.elastic:
+            # Only when on, so a cluster without it keeps its fingerprint; an elastic node and a
+            # non-elastic one speak different ring protocols and must refuse each other, by name.
+            cw["elastic"] = True
+        return cw
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -112,6 +120,14 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if not isinstance(value, dict):
                 raise TypeError("expected a table / JSON object")
             return value
+        if typ.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise TypeError("expected true or false")
         if typ.startswith("int"):
             if isinstance(value, bool):
                 raise TypeError("expected an integer")

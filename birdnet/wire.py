@@ -20,7 +20,8 @@ birdnet.daemon.peers and birdnet.daemon.service for the types.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgpack
 

@@ -23,8 +23,15 @@ import numpy as np
 import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
-from birdnet.errors import (AuthenticationError, BirdnetError, DaemonUnavailableError, InputError, ProtocolError,
-                            RoundTimeoutError, from_wire)
+from birdnet.errors import (
+    AuthenticationError,
+    BirdnetError,
+    DaemonUnavailableError,
+    InputError,
+    ProtocolError,
+    RoundTimeoutError,
+    from_wire,
+)
 
 __all__ = ["Client", "Handle", "BirdnetError"]
 
@@ -263,7 +270,7 @@ class Client:
         :meth:`buffer` keep working (their results are copied back into them)."""
         why = self._lost
         self._close_socket()
-        for sid, s in self._slots.items():
+        for _sid, s in self._slots.items():
             if s in self._owned.values():
                 self._stale[id(s)] = s
             else:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
 from birdnet.client import Client
+
 from birdnet.errors import InputError
 
 __all__ = ["allreduce_tree", "flatten", "unflatten"]

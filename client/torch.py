@@ -73,8 +73,8 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
-
 from birdnet.client import Client, Handle
+
 from birdnet.errors import InputError
 
 __all__ = [

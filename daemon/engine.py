@@ -14,15 +14,24 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import pack_buffers
 from birdnet.config import Settings
-from birdnet.errors import (BirdnetError, CodecError, InputError, PeerLostError, RoundMismatchError,
-                            RoundTimeoutError, ShutdownError, StateLimitError, from_wire)
+from birdnet.errors import (
+    BirdnetError,
+    CodecError,
+    InputError,
+    PeerLostError,
+    RoundTimeoutError,
+    ShutdownError,
+    StateLimitError,
+    from_wire,
+)
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
       "enables authenticated, encrypted peer links")
     a("--curve-allowed-keys", metavar="FILE", help="file of peer public keys allowed to connect, one per line")
     a("--shm-group", help="group allowed to use the client socket and shared memory (default: owner only)")
+    a("--elastic", action="store_true", default=None, help="go on without a lost node: after peer_timeout "
+      "the ring re-forms among the live nodes (a majority of the hosts file must be live) and takes a "
+      "returning node back; `mean` divides by the processes that contributed (cluster-wide: all or none)")
     a("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     a("--version", action="version", version=f"birdnetd {__version__}")
     return p

@@ -273,5 +273,6 @@ def _number(v: float) -> str:
 def _labels(labels: dict[str, Any]) -> str:
     if not labels:
         return ""
-    esc = (lambda s: str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
+    def esc(s):
+        return (str(s).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"'))
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"

@@ -35,7 +35,8 @@ import logging
 import os
 import socket as pysocket
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 

@@ -32,15 +32,21 @@ from typing import Any
 
 import numpy as np
 import zmq
+from birdnet.daemon import notify
+from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRunner, StateStore
 
 from birdnet import PROTOCOL_VERSION, __version__, wire
 from birdnet.config import Settings
-from birdnet.errors import (BirdnetError, CodecError, InputError, ProcessLostError, ProtocolError, RoundTimeoutError,
-                            ShutdownError, to_wire)
+from birdnet.errors import (
+    BirdnetError,
+    InputError,
+    ProcessLostError,
+    ProtocolError,
+    ShutdownError,
+    to_wire,
+)
 from birdnet.hosts import Peer, find_own_rank, load_hosts
 from birdnet.shm import Segment, new_name, remove_stale
-from birdnet.daemon import notify
-from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRunner, StateStore
 
 log = logging.getLogger("birdnet.daemon")
 
@@ -353,7 +359,6 @@ class Daemon:
         desc: dict[str, Any] = {"kind": kind, "name": None, "shape": [], "dtype": None, "op": None,
                                 "codec": None, "root": None}
         array = None
-        codec_params: dict[str, Any] = {}
         if kind in ("allreduce", "broadcast"):
             name = wire.field(h, "name", str, "submit")
             shape = wire.field(h, "shape", list, "submit")
@@ -526,7 +531,7 @@ class Daemon:
             self.worker.join(timeout=max(5.0, self.settings.peer_timeout))
         self.handle_finished()
         for j in self.jobs.values():
-            for seq, pend in j.pending.items():
+            for _seq, pend in j.pending.items():
                 for idx, (_d, _c, call, _slot) in pend.items():
                     s = j.sessions.get(idx)
                     if s is not None:

@@ -2,11 +2,9 @@
 multiprocessing's spawn can import them)."""
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
-
 from birdnet.client import Client
 
 

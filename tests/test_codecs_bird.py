@@ -9,8 +9,8 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from _codec_sim import contexts, sim_round
+
 from birdnet.codecs import get_codec
 
 BOTH = ["bird", "birdplus"]

@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 import pytest
-
 from _codec_sim import contexts, sim_round
+
 from birdnet.codecs import Pattern, get_codec
 from birdnet.codecs.base import pack_buffers
 from birdnet.errors import CodecError, RoundMismatchError

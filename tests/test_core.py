@@ -122,7 +122,7 @@ def test_dense_ring_sum_bit_identical(world, n):
         assert r.tobytes() == res[0].tobytes()
     ref = np.sum(np.array(xs, dtype=np.float64), axis=0) if n else np.zeros(0)
     assert np.allclose(res[0], ref, atol=1e-5 * world)
-    for x, t in zip(xs, ring.transports):  # the input is left alone
+    for _x, t in zip(xs, ring.transports):  # the input is left alone
         assert t.bytes_sent == (0 if world == 1 else sum(sz for _, szs in t.messages_sent for sz in szs))
     if world > 1 and n >= world:
         # bandwidth-optimal: each rank sends 2 (world-1)/world of the vector

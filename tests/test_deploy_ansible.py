@@ -10,9 +10,9 @@ Ansible is never a dependency of birdnet: it lives in its own virtual environmen
 
 from __future__ import annotations
 
+import grp
 import json
 import os
-import grp
 import pwd
 import re
 import secrets

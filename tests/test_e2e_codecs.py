@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from cluster import LocalCluster
 import workers
+from cluster import LocalCluster
 
 N = 100003  # not a multiple of the world size, of 8 or of the block size
 SPECS = [

@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 import pytest
+import workers
+from cluster import LocalCluster
 
 from birdnet.errors import DaemonUnavailableError
-from cluster import LocalCluster
-import workers
 
 SIZES = [0, 1, 3, 1000, 100003]
 
@@ -120,7 +120,8 @@ def test_daemon_not_running_fails_fast(tmp_path):
 def test_bad_input_rejected_client_side(tmp_path):
     with LocalCluster(1, tmp_path) as cl:
         from birdnet.client import Client
-        from birdnet.errors import InputError, CodecError
+
+        from birdnet.errors import CodecError, InputError
         with Client(cl.sockets[0]) as c:
             with pytest.raises(InputError, match="dtype object"):
                 c.allreduce(np.array([object()]))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import workers
+from cluster import LocalCluster
 
 from birdnet.bench import netns
-from cluster import LocalCluster
-import workers
 
 ok, why = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")]

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
 
 from birdnet.codecs import get_codec
 from birdnet.config import Settings
-from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
 from birdnet.ring.transport import MemoryRing
 
 
@@ -35,7 +35,7 @@ def test_flush_round_through_the_runner_resets_global_compensation():
     rng = np.random.default_rng(0)
     rounds = [[_round(k, "w", [rng.standard_normal(n).astype(np.float32)], "marsit",
                       {"compensation": "global", "flush": 2}) for k in range(2)] for _ in range(world)]
-    inputs = [[r.parts[0].array.copy() for r in rr] for rr in rounds]
+    [[r.parts[0].array.copy() for r in rr] for rr in rounds]
     outs = _run(world, rounds, runners)
     for r in range(world):
         st = runners[r].states.states[("j", "w")][1]

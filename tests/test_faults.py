@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster import LocalCluster
 
 from birdnet.bench import netns
-from cluster import LocalCluster
 
 PEER_TIMEOUT = 4.0
 SLACK = 3.0  # detection runs on heartbeats (0.25 s) and the loops' poll intervals

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import time
 
+import fault_workers
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings, strategies as st
+from cluster import LocalCluster
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
-from cluster import LocalCluster
-import fault_workers
 
 MAX_MESSAGE = 1 << 20  # the fuzzed cluster's --max-message-bytes: oversized frames are cheap to make
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -6,7 +6,6 @@ import collections
 
 import numpy as np
 import pytest
-
 from cluster import LocalCluster
 
 Pair = collections.namedtuple("Pair", "left right")

@@ -25,7 +25,7 @@ def ctx_for(rank, world, n, *, counts=None, seed=1, round_id=0, tensor_round=0):
 
 
 def run_round(codec, xs, *, counts=None, seed=1, round_id=0, tensor_round=0, states=None):
-    world, n = len(xs), xs[0].size
+    world, _n = len(xs), xs[0].size
     states = states if states is not None else [codec.new_state(x.size) for x in xs]
     ring = MemoryRing(world)
 

@@ -6,7 +6,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 import workers
 from cluster import LocalCluster, free_ports
 

@@ -17,7 +17,6 @@ import time
 import uuid
 
 import pytest
-
 from birdnet.daemon import notify as sdnotify
 from birdnet.daemon.notify import notify, watchdog_interval
 

@@ -2,21 +2,19 @@
 socket and shared memory are closed to other users (a real second user when run as root)."""
 from __future__ import annotations
 
+import grp
 import os
 import pwd
-import grp
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import pytest
-import zmq
-
-from cluster import LocalCluster
 import fault_workers
+import pytest
 import workers
+import zmq
+from cluster import LocalCluster
 
 
 def keygen(d: Path) -> str:
@@ -44,6 +42,7 @@ def test_keygen_writes_a_private_secret_and_a_public_key(tmp_path):
 
 def test_allowed_keys_formats_and_errors(tmp_path):
     from birdnet.daemon.security import read_allowed_keys, read_secret_key
+
     from birdnet.errors import ConfigError
     from birdnet.hosts import parse_hosts
     peers = parse_hosts("10.0.0.1:7000\n10.0.0.2:7000\n")
@@ -218,8 +217,8 @@ def test_other_user_can_neither_attach_nor_submit():
     try:
         with LocalCluster(1, d) as cl:
             # the owner's process holds a segment, so there is something to try to attach to
-            from birdnet.client import Client
             import numpy as np
+            from birdnet.client import Client
             with Client(cl.sockets[0]) as own:
                 own.buffer((1000,), np.float32)
                 assert stat.S_IMODE(os.stat(cl.sockets[0]).st_mode) == 0o600

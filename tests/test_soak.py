@@ -14,10 +14,9 @@ import hashlib
 import os
 import time
 
-import pytest
-
-from cluster import LocalCluster
 import fault_workers
+import pytest
+from cluster import LocalCluster
 
 SECONDS = float(os.environ.get("BIRDNET_SOAK_SECONDS", "36"))
 SIZES = [0, 1, 1000, 5000, 100003, 400000]

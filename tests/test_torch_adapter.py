@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) for the PyTorch adapter")
 
-from cluster import LocalCluster
+from cluster import LocalCluster  # noqa: E402
 
 STEPS = 5
 BATCH = 16  # per process
@@ -60,7 +60,7 @@ def train(client, bnt, make, *, momentum_in_codec=False, codec=None, codec_param
                                    backward_passes_per_step=passes)
     bnt.broadcast_parameters(model.state_dict(), root_rank=0, client=client)
     x, y = data(STEPS, client.size)
-    lo, hi = client.rank * BATCH, (client.rank + 1) * BATCH
+    lo, _hi = client.rank * BATCH, (client.rank + 1) * BATCH
     snaps, stats, grad_in_shm = [], [], []
     for s in range(STEPS):
         opt.zero_grad(set_to_none=(s % 2 == 0))  # both: fresh .grad tensors, and in-place into the buckets

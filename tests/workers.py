@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from birdnet.client import Client
 
 
@@ -16,7 +15,7 @@ def random_mean(sock, node, local, n, seed, dtype="float32", rounds=1, codec=Non
     with Client(sock) as c:
         rng = np.random.default_rng(seed + 1000 * c.rank)
         outs, inputs, stats = [], [], []
-        for i in range(rounds):
+        for _i in range(rounds):
             x = rng.standard_normal(n).astype(dtype)
             h = c.allreduce_async(x, name="w", codec=codec, **(params or {}))
             outs.append(h.wait(60))
@@ -79,7 +78,7 @@ def codec_rounds(sock, node, local, specs, n, rounds):
         for name, params in specs:
             rng = np.random.default_rng(100 + c.rank)
             res = []
-            for r in range(rounds):
+            for _r in range(rounds):
                 x = (rng.standard_normal(n) * np.linspace(0.01, 3, n)).astype(np.float32)
                 h = c.allreduce_async(x, op="sum", name=f"{name}/t", codec=name, **params)
                 res.append((x, h.wait(60), h.stats))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
