@@ -22,25 +22,7 @@ from typing import Any
 
 import numpy as np
 
-
-def parse_codecs(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """``none,birdplus:density=0.01:mode=shared,marsit`` -> [(name, params), ...]."""
-    out = []
-    for item in text.split(","):
-        name, *kvs = item.split(":")
-        params: dict[str, Any] = {}
-        for kv in kvs:
-            k, _, v = kv.partition("=")
-            try:
-                params[k] = json.loads(v)
-            except json.JSONDecodeError:
-                params[k] = v
-        out.append((name, params))
-    return out
-
-
-def label(name: str, params: dict[str, Any]) -> str:
-    return name + "".join(f":{k}={v}" for k, v in params.items())
+from birdnet.bench.specs import label, parse_codecs
 
 
 def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -18,19 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from birdnet.bench.specs import parse_spec
+
 DEFAULT_SIZES = (11_689_512, 100_000_000)
 DEFAULT_CODECS = ("none", "fp16", "topk", "randomk", "dgc", "qsgd", "efsign", "bird", "birdplus",
                   "birdplus:mode=shared", "birdplus:value_dtype=float16")
 DENSITY_CODECS = {"topk", "randomk", "dgc", "bird", "birdplus"}
-
-
-def _parse_codec(spec: str) -> tuple[str, dict[str, Any]]:
-    name, _, rest = spec.partition(":")
-    params: dict[str, Any] = {}
-    for kv in filter(None, rest.split(",")):
-        k, _, v = kv.partition("=")
-        params[k] = json.loads(v) if v[:1] in "0123456789-[{tf" and v not in ("float16", "float32") else v
-    return name, params
 
 
 def _best(fn, repeat: int) -> float:
@@ -52,7 +45,7 @@ def _gradient(n: int, seed: int = 0) -> np.ndarray:
 def bench_codec(spec: str, density: float | None, x: np.ndarray, repeat: int) -> dict[str, Any]:
     from birdnet.codecs import Pattern, RoundContext, get_codec
 
-    name, params = _parse_codec(spec)
+    name, params = parse_spec(spec)
     if density is not None and name in DENSITY_CODECS:
         params["density"] = density
     codec = get_codec(name, **params)
@@ -125,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                     help="comma-separated element counts (default: %(default)s)")
     ap.add_argument("--densities", default="0.01,0.001", help="comma-separated densities (default: %(default)s)")
-    ap.add_argument("--codecs", default=";".join(DEFAULT_CODECS),
-                    help="codec specs separated by ';', each NAME or NAME:key=value,key=value")
+    ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS),
+                    help="comma-separated codec specs, each NAME or NAME:key=value:key=value")
     ap.add_argument("--threads", choices=("single", "all", "both"), default="both")
     ap.add_argument("--repeat", type=int, default=5, help="timing repetitions, best kept (default 5)")
     ap.add_argument("--no-baselines", action="store_true", help="skip argpartition / torch.topk")
@@ -137,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = [int(float(s)) for s in args.sizes.split(",") if s]
     densities = [float(d) for d in args.densities.split(",") if d]
-    specs = [s.strip() for s in args.codecs.split(";") if s.strip()]
+    specs = [s.strip() for s in args.codecs.split(",") if s.strip()]
     threads = {"single": [1], "all": [numba.config.NUMBA_NUM_THREADS],
                "both": [1, numba.config.NUMBA_NUM_THREADS]}[args.threads]
     results: list[dict[str, Any]] = []

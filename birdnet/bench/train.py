@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write all results (histories included) here")
     p.add_argument("--plot", metavar="PREFIX", help="write PREFIX_epochs.png and PREFIX_bytes.png")
     a = p.parse_args(argv)
-    from birdnet.bench.allreduce import label, parse_codecs
     from birdnet.bench.cluster import LocalCluster
+    from birdnet.bench.specs import label, parse_codecs
     from birdnet.bench.trainlib import load, one_thread_per_worker, train_worker
 
     one_thread_per_worker()
