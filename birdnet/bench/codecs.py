@@ -22,7 +22,7 @@ from birdnet.bench.specs import parse_spec
 
 DEFAULT_SIZES = (11_689_512, 100_000_000)
 DEFAULT_CODECS = ("none", "fp16", "topk", "randomk", "dgc", "qsgd", "efsign", "bird", "birdplus",
-                  "birdplus:mode=shared", "birdplus:value_dtype=float16")
+                  "birdplus:mode=shared", "birdplus:value_dtype=float16", "marsit")
 DENSITY_CODECS = {"topk", "randomk", "dgc", "bird", "birdplus"}
 
 
@@ -57,7 +57,7 @@ def bench_codec(spec: str, density: float | None, x: np.ndarray, repeat: int) ->
     # error of one round trip from a fresh state
     payload = codec.compress(x, ctx, state)
     out = np.zeros(n, np.float32)
-    if codec.pattern == Pattern.SUMMABLE:
+    if codec.pattern in (Pattern.SUMMABLE, Pattern.MERGED):  # a one-node round: decompress the own payload
         codec.decompress(payload, out, ctx, state)
         decomp = lambda: codec.decompress(payload, out, ctx, state)  # noqa: E731
     else:
