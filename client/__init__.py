@@ -84,6 +84,13 @@ class Handle:
         self._done = False
         self.generation = client._generation  #: which connection to the daemon the call went out on
 
+    @property
+    def contributors(self) -> list[int] | None:
+        """After ``wait()``: the node ranks whose processes contributed to the result (elastic mode,
+        ``birdnetd --elastic``: the live ring of the round); None when the daemons do not report it."""
+        c = self.stats.get("contributors")
+        return list(c) if isinstance(c, list) else None
+
     def done(self) -> bool:
         """True once the result is available (does not block)."""
         if not self._done:

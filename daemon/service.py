@@ -151,8 +151,14 @@ class Daemon:
             self.ring_wake_rx.bind(f"inproc://birdnet-ring-wake-{id(self)}")
             self.ring_wake_tx = self.ctx.socket(zmq.PUSH)
             self.ring_wake_tx.connect(f"inproc://birdnet-ring-wake-{id(self)}")
-            self.net = PeerNet(self.ctx, self.settings, self.peers, self.rank, curve=curve, wake=self.ring_wake_rx)
-        self.worker = RingWorker(self.settings, self.rank, self.world, self.net,
+            net_cls = PeerNet
+            if self.settings.elastic:
+                from birdnet.daemon.elastic import ElasticPeerNet as net_cls  # noqa: N813
+            self.net = net_cls(self.ctx, self.settings, self.peers, self.rank, curve=curve, wake=self.ring_wake_rx)
+        worker_cls = RingWorker
+        if self.settings.elastic and self.world > 1:
+            from birdnet.daemon.elastic import ElasticRingWorker as worker_cls  # noqa: N813
+        self.worker = worker_cls(self.settings, self.rank, self.world, self.net,
                                  RoundRunner(self.settings, self.states), self._round_finished)
         if self.settings.metrics_port is not None:
             from birdnet.daemon.metrics import MetricsServer
@@ -519,6 +525,7 @@ class Daemon:
             "bytes_received": self.net.bytes_received if self.net else 0,
             "state_bytes": self.states.total_bytes(),
             "uptime_seconds": time.time() - self.started,
+            **({"elastic": w.status()} if w is not None and hasattr(w, "status") else {}),
         }
 
     # -- shutdown ---------------------------------------------------------------------------------
@@ -564,8 +571,12 @@ def _call_of(header: Any) -> Any:
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (float(v) if isinstance(v, (np.floating, float)) else int(v) if isinstance(v, (np.integer, int)) else v)
-            for k, v in d.items() if isinstance(v, (int, float, str, np.integer, np.floating))}
+    out = {k: (float(v) if isinstance(v, (np.floating, float)) else int(v) if isinstance(v, (np.integer, int)) else v)
+           for k, v in d.items() if isinstance(v, (int, float, str, np.integer, np.floating))}
+    for k, v in d.items():  # lists of ranks (elastic mode's contributors)
+        if isinstance(v, list) and all(isinstance(x, (int, np.integer)) for x in v):
+            out[k] = [int(x) for x in v]
+    return out
 
 
 def _pid_alive(pid: int) -> bool:

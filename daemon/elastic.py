@@ -1,0 +1,768 @@
+"""Elastic mode (``birdnetd --elastic``): the ring goes on without a lost node.
+
+Without it (the default), a lost node stops every round of the cluster until it is back. With it:
+
+* **Liveness, directly.** Every node keeps a DEALER to *every* other node (not only its right
+  neighbour) and pings all of them each ``heartbeat_interval``; a node is *heard* while a ping or
+  pong from it arrived within ``peer_timeout``. Pings carry the sender's membership epoch, its
+  incarnation and ``want`` (it has rounds waiting).
+* **Membership.** The live ring is a sorted list ``S`` of node ranks agreed with an epoch number:
+  every ``start`` and ``go`` carries ``ep``, ``S``, the leader ``L``, the joiners ``J`` being
+  admitted, and the incarnations ``I`` of the members. A node applies the membership of a ``go``
+  when it passes (the leader when it sends it). Rounds run on ``S``: the ring algorithms see
+  rank = position in ``S`` and world = ``len(S)``; ``counts`` hold the members' process counts only,
+  so ``mean`` divides by the processes that contributed, and the reply's ``stats["contributors"]``
+  lists the node ranks that contributed.
+* **Leader.** The leader of the last ``go`` stays the leader while it is alive; once it is lost, the
+  lowest heard rank whose epoch is the highest heard takes over. A node leads only when a majority
+  of the hosts file is heard (no split brain) and no heard node has a newer epoch than its own (a
+  restarted or partitioned node never leads before it is admitted again).
+* **Admission.** The leader's proposal is itself plus every heard node that is a member with the
+  same incarnation, or that wants to join (has rounds waiting). A node that is new, restarted (new
+  incarnation) or was dropped is a *joiner*: at its first ``start`` it aligns its processes' call
+  numbering with the cluster's (its lowest waiting round of the job becomes the round the leader
+  started), so a returning node's processes may keep their numbering or start from zero.
+* **Codec state** (error feedback, compensation) is dropped on every member when the epoch changes,
+  so all members start the epoch from the same state and stay bit-identical; a returning node does
+  not keep the residual it had before it left.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from birdnet.daemon.engine import MAX_BATCH, LocalRound, RingWorker
+from birdnet.daemon.peers import PeerNet, RoundAborted, RoundTransport
+
+from birdnet import PROTOCOL_VERSION, wire
+from birdnet.errors import (
+    BirdnetError,
+    InputError,
+    PeerLostError,
+    ProtocolError,
+    RoundTimeoutError,
+    ShutdownError,
+    from_wire,
+)
+
+log = logging.getLogger("birdnet.elastic")
+
+
+class _Retry(Exception):
+    """The round agreement was abandoned because a member of the proposed ring was lost (or the
+    leader started the same round again): the round stays waiting and is started again on the
+    re-formed ring instead of failing."""
+
+
+class ElasticPeerNet(PeerNet):
+    """PeerNet with a DEALER to every node, direct liveness of every node, and messages tagged with
+    the sending rank (``msg["from"]``) instead of being accepted from the left neighbour only."""
+
+    def __init__(self, ctx: zmq.Context, settings, peers, rank: int, curve: Any = None,
+                 wake: zmq.Socket | None = None) -> None:
+        super().__init__(ctx, settings, peers, rank, curve=curve, wake=wake)
+        self.dealers: dict[int, zmq.Socket] = {self.right.rank: self.dealer}
+        for p in peers:
+            if p.rank in self.dealers or p.rank == rank:
+                continue
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+            d.setsockopt(zmq.SNDHWM, 0)
+            d.setsockopt(zmq.RCVHWM, 0)
+            d.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            if curve is not None:
+                curve.configure_client(d, p)
+            d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
+            d.setsockopt(zmq.RECONNECT_IVL, 100)
+            d.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            d.connect(p.endpoint())
+            self.poller.register(d, zmq.POLLIN)
+            self.dealers[p.rank] = d
+        self.seen = [0.0] * self.world  #: monotonic time of the last ping, pong or message per rank
+        self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
+        self.identities: dict[bytes, int] = {}  #: accepted DEALER identity -> rank
+        self.identity_of: dict[int, bytes] = {}
+        # advertised in pings, written by the ring worker
+        self.epoch = 0
+        self.want = False
+        self.members: list[int] = list(range(self.world))
+        self.refused: dict[int, str] = {}
+
+    def close(self) -> None:
+        for d in self.dealers.values():
+            if d is not self.dealer:
+                d.close(0)
+        super().close()
+
+    # -- liveness --------------------------------------------------------------------------------
+    def heard(self, r: int, now: float | None = None) -> bool:
+        """Something from rank ``r`` arrived within peer_timeout (no grace after start-up)."""
+        if r == self.rank:
+            return True
+        now = time.monotonic() if now is None else now
+        return self.seen[r] > 0 and now - self.seen[r] <= self.settings.peer_timeout
+
+    def presumed(self, r: int, now: float | None = None) -> bool:
+        """Rank ``r`` is not (yet) counted lost: heard within peer_timeout, or this daemon started
+        less than peer_timeout ago."""
+        if r == self.rank:
+            return True
+        now = time.monotonic() if now is None else now
+        return now - max(self.seen[r], self.started) <= self.settings.peer_timeout
+
+    def alive(self) -> set[int]:
+        now = time.monotonic()
+        return {r for r in range(self.world) if self.heard(r, now)}
+
+    def lost(self) -> set[int]:
+        now = time.monotonic()
+        own = {r for r in range(self.world) if not self.presumed(r, now)}
+        if own != self.own_lost:
+            for r in sorted(own - self.own_lost):
+                log.warning("peer rank %d (%s) lost: nothing heard for %.1f s", r, self.peers[r].address,
+                            self.settings.peer_timeout)
+            for r in sorted(self.own_lost - own):
+                log.info("peer rank %d (%s) is back", r, self.peers[r].address)
+            self.own_lost = own
+        return set(own)
+
+    def describe_lost(self, lost) -> str:
+        text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
+        reasons = [f"rank {r}: {self.refused[r]}" for r in sorted(lost) if r in self.refused]
+        return text + (f" [{'; '.join(reasons)}]" if reasons else "")
+
+    def peer_states(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        out = []
+        for p in self.peers:
+            if p.rank == self.rank:
+                state = "self"
+            elif not self.heard(p.rank, now):
+                state = "lost"
+            elif p.rank in self.members:
+                state = "ok"
+            else:
+                state = "joining"
+            row = {"rank": p.rank, "address": p.address, "state": state}
+            if p.rank in self.refused:
+                row["state"], row["reason"] = "refused", self.refused[p.rank]
+            out.append(row)
+        return out
+
+    # -- sending ---------------------------------------------------------------------------------
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False, to: int | None = None):
+        """Queue a message for rank ``to`` (default: the hosts-file right neighbour)."""
+        to = self.right.rank if to is None else to
+        frames = wire.encode(header, buffers)
+        try:
+            tracker = self.dealers[to].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track and bool(buffers))
+        except zmq.Again:
+            raise PeerLostError(f"cannot send to rank {to} ({self.peers[to].address}): not connected"
+                                + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
+        self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        return tracker
+
+    def _send_ping(self) -> None:
+        h = {"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
+             "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost()), "ep": self.epoch,
+             "want": self.want}
+        for r in self.dealers:
+            try:
+                self.send(h, to=r)
+            except PeerLostError:
+                pass
+
+    # -- receiving -------------------------------------------------------------------------------
+    def poll(self, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.maybe_ping()
+            remaining = deadline - time.monotonic()
+            events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
+            if self.dealer_monitor in events or self.router_monitor in events:
+                self._drain_monitors()
+            for r, d in self.dealers.items():
+                if d in events:
+                    self._drain_dealer_of(r, d)
+            if self.wake is not None and self.wake in events:
+                while True:
+                    try:
+                        self.wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                if self.router not in events:
+                    return None
+            if self.router in events:
+                msg = self._recv_router()
+                if msg is not None:
+                    return msg
+            if time.monotonic() >= deadline:
+                return None
+
+    def _drain_dealer_of(self, r: int, d: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
+            except ProtocolError as exc:
+                log.warning("dropped a bad reply from rank %d (%s): %s", r, self.peers[r].address, exc)
+                continue
+            if header["t"] == "pong":
+                self.seen[r] = time.monotonic()
+                self._note_info(r, header)
+                if r in self.refused:
+                    log.info("rank %d (%s) accepted us", r, self.peers[r].address)
+                    self.refused.pop(r, None)
+                if r == self.right.rank:
+                    self.right_seen = self.seen[r]
+                    self.refused_by_right = None
+            elif header["t"] == "refuse":
+                reason = str(header.get("reason"))
+                if reason != self.refused.get(r):
+                    log.error("rank %d (%s) refused this node: %s", r, self.peers[r].address, reason)
+                self.refused[r] = reason
+                if r == self.right.rank:
+                    self.refused_by_right = reason
+
+    def _note_info(self, r: int, h: dict[str, Any]) -> None:
+        ep = h.get("ep")
+        inc = h.get("inc")
+        self.info[r] = {"ep": ep if isinstance(ep, int) and not isinstance(ep, bool) and ep >= 0 else 0,
+                        "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
+
+    def _recv_router(self) -> dict | None:
+        try:
+            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        if len(frames) < 1:
+            return None
+        identity = frames[0].bytes
+        try:
+            header, bufs = wire.decode(frames[1:], max_bytes=self.settings.max_message_bytes)
+        except ProtocolError as exc:
+            self._drop(f"from {identity[:40]!r}: {exc}")
+            if identity and frames[1:2] and frames[1].bytes.startswith(b"birdnet/"):
+                self._reply(identity, {"t": "refuse", "reason": str(exc)})
+            return None
+        self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
+        t = header["t"]
+        if t == "ping":
+            self._handle_ping(identity, header, frames[1])
+            return None
+        r = self.identities.get(identity)
+        if r is None:
+            self._drop(f"{t!r} message from {identity[:40]!r}, which is not an accepted peer")
+            return None
+        self.seen[r] = time.monotonic()
+        if r == self.left.rank:
+            self.left_seen = self.seen[r]
+        if t in ("start", "go", "abort", "data"):
+            return {"h": header, "b": bufs, "from": r}
+        self._drop(f"unknown message type {t!r} from rank {r}")
+        return None
+
+    def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
+        reason = None
+        r = h.get("rank")
+        who = self._peer_of_connection(frame) if self.curve is not None else None
+        if h.get("proto") != PROTOCOL_VERSION:
+            reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
+        elif h.get("world") != self.world:
+            reason = (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
+                      f"rank {self.rank}'s has {self.world}")
+        elif not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world or r == self.rank:
+            reason = f"the peer claims rank {r!r}, which is not another rank of the {self.world}-node ring"
+        elif h.get("cw") != self.cluster_wide:
+            theirs = h.get("cw") if isinstance(h.get("cw"), dict) else {}
+            diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
+                     for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
+            reason = "cluster-wide settings differ: " + "; ".join(diffs)
+        elif self.curve is not None and not (who or "").startswith(f"rank {r} "):
+            reason = f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank {r}"
+        if reason:
+            self._drop(f"ping refused ({reason})")
+            self._reply(identity, {"t": "refuse", "reason": reason})
+            return
+        assert isinstance(r, int)
+        if self.identity_of.get(r) != identity:
+            old = self.identity_of.get(r)
+            if old is not None:
+                self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
+            log.info("rank %d (%s) connected (incarnation %s)", r, self.peers[r].address, h.get("inc"))
+            self.identity_of[r] = identity
+            self.identities[identity] = r
+        self.seen[r] = time.monotonic()
+        self._note_info(r, h)
+        if r == self.left.rank:
+            self.left_identity, self.left_seen = identity, self.seen[r]
+        self._reply(identity, {"t": "pong", "rank": self.rank, "ep": self.epoch, "inc": self.incarnation,
+                               "want": self.want})
+
+
+class ElasticTransport(RoundTransport):
+    """The transport of one round on the live ring ``members``: rank and world are positions in it."""
+
+    def __init__(self, net: ElasticPeerNet, key: str, members: list[int]) -> None:
+        super().__init__(net, key)
+        self.members = members
+        pos = members.index(net.rank)
+        self.rank, self.world = pos, len(members)
+        self.right_rank = members[(pos + 1) % len(members)]
+        self.left_rank = members[(pos - 1) % len(members)]
+
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
+        h = dict(header)
+        h["k"] = self.key
+        before = self.net.bytes_sent
+        tracker = self.net.send(h, buffers, track=True, to=self.right_rank)
+        if tracker is not None:
+            self.trackers.append(tracker)
+        self.bytes_sent += self.net.bytes_sent - before
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for tr in self.trackers:
+            while not tr.done:
+                if time.monotonic() > deadline or self.net.stopping:
+                    raise PeerLostError(f"round {self.key}: rank {self.right_rank} "
+                                        f"({self.net.peers[self.right_rank].address}) did not take our data "
+                                        f"within {timeout} s")
+                try:
+                    tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
+                except zmq.NotDone:
+                    pass
+                self.net.maybe_ping()
+        self.trackers.clear()
+
+    def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        net = self.net
+        while True:
+            if net.stopping:
+                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {net.rank} is shutting down")
+            now = time.monotonic()
+            lost = [r for r in self.members if not net.presumed(r, now)]
+            if lost:
+                raise PeerLostError(f"lost peer {net.describe_lost(lost)} during round {self.key}")
+            if now >= deadline:
+                raise PeerLostError(f"no data from rank {self.left_rank} ({net.peers[self.left_rank].address}) for "
+                                    f"round {self.key} within {net.settings.peer_timeout} s")
+            before = net.bytes_received
+            msg = net.poll(min(deadline - now, net.settings.heartbeat_interval))
+            if msg is None:
+                continue
+            h, frm = msg["h"], msg.get("from")
+            if frm not in self.members:
+                continue
+            if h.get("t") == "abort" and h.get("k") in (self.key, None):
+                raise RoundAborted(str(h.get("reason")))
+            if frm != self.left_rank:
+                continue
+            if h.get("t") == "start":
+                self.interrupt = msg
+                raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
+            if h.get("t") != "data" or h.get("k") != self.key:
+                continue
+            self.bytes_received += net.bytes_received - before
+            return h, msg["b"]
+
+
+def _ranks(x: Any, world: int) -> list[int] | None:
+    """A sorted list of distinct ranks, or None."""
+    if not isinstance(x, list) or not x or not all(isinstance(r, int) and not isinstance(r, bool) for r in x):
+        return None
+    if x != sorted(set(x)) or x[0] < 0 or x[-1] >= world:
+        return None
+    return x
+
+
+class ElasticRingWorker(RingWorker):
+    """The ring worker of elastic mode (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+        self.members: list[int] = list(range(self.world))
+        self.leader = 0
+        self.member_inc: dict[int, str] = {}
+        self.offsets: dict[str, int] = {}  #: job -> cluster call number - local call number
+        self.join_epoch: int | None = None  #: the epoch this node was last admitted in as a joiner
+        self.aligned: set[str] = set()  #: jobs aligned since then
+        self.no_quorum_since: float | None = time.monotonic()
+        self.applied_at = 0.0  #: when this node applied its membership epoch
+        self.next_rank = (self.rank + 1) % self.world
+        self.ring: list[int] = list(self.members)  #: the ring of the batch in progress
+
+    # -- plumbing ----------------------------------------------------------------------------------
+    def _take_inbox(self, timeout: float = 0.0) -> None:
+        import queue
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                item.seq += self.offsets.get(item.job, 0)  # this node's call numbering -> the cluster's
+                self.ready[item.key] = item
+                self.order.append(item.key)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, key: str, reason: str, retry: bool = False) -> None:
+        try:
+            self.net.send({"t": "abort", "k": key, "reason": reason, "retry": retry}, to=self.next_rank)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def status(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "members": list(self.members), "leader": self.leader}
+
+    # -- membership --------------------------------------------------------------------------------
+    def _epoch_of(self, r: int) -> int:
+        if r == self.rank:
+            return self.epoch
+        ep = int(self.net.info.get(r, {}).get("ep", -1))
+        if r in self.members and time.monotonic() - self.applied_at < self.settings.peer_timeout:
+            # a member of this node's epoch passed the same go; its pings say so a heartbeat later
+            ep = max(ep, self.epoch)
+        return ep
+
+    def _choose_leader(self, heard: set[int]) -> int | None:
+        """The leader as this node sees it: the last go's leader while it is alive and current,
+        else the lowest heard rank among those with the highest heard epoch."""
+        net = self.net
+        if any(r not in net.info for r in heard if r != self.rank):
+            return None  # a heard node whose epoch we do not know yet: wait for its ping
+        top = max(self._epoch_of(r) for r in heard)
+        if net.presumed(self.leader) and (self.leader not in heard or self._epoch_of(self.leader) == top):
+            return self.leader
+        return min(r for r in heard if self._epoch_of(r) == top)
+
+    def _proposal(self, heard: set[int]) -> tuple[list[int], int, list[int], dict[str, str]]:
+        info = self.net.info
+        ring, joiners = [], []
+        for r in sorted(heard):
+            inc = self.net.incarnation if r == self.rank else info.get(r, {}).get("inc")
+            same = r in self.members and self.member_inc.get(r) in (None, inc)
+            if r == self.rank or same or info.get(r, {}).get("want"):
+                ring.append(r)
+                if not same and r != self.rank:
+                    joiners.append(r)
+        incs = {str(r): (self.net.incarnation if r == self.rank else str(info.get(r, {}).get("inc")))
+                for r in ring}
+        changed = ring != self.members or joiners or self.leader != self.rank or self.epoch == 0
+        return ring, self.epoch + 1 if changed else self.epoch, joiners, incs
+
+    def _apply(self, ep: int, ring: list[int], leader: int, incs: Any) -> None:
+        if ep != self.epoch:
+            # Every member starts the new epoch from the same (empty) codec state: bit-identical.
+            dropped = len(self.runner.states.states)
+            self.runner.states.states.clear()
+            log.info("membership epoch %d: ring %s, leader rank %d (codec states dropped: %d)", ep, ring, leader,
+                     dropped)
+        self.epoch, self.members, self.leader = ep, list(ring), leader
+        self.applied_at = time.monotonic()
+        if isinstance(incs, dict):
+            self.member_inc = {int(k): str(v) for k, v in incs.items() if str(k).isdigit()}
+        self.net.epoch, self.net.members = ep, list(ring)
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def _run_ring(self) -> None:
+        net = self.net
+        while not self.stopping:
+            self._take_inbox()
+            net.want = bool(self.order)
+            heard = net.alive()
+            now = time.monotonic()
+            quorum = 2 * len(heard) > self.world
+            if quorum:
+                self.no_quorum_since = None
+            elif self.no_quorum_since is None:
+                self.no_quorum_since = now
+            if not quorum and now - self.no_quorum_since > self.settings.peer_timeout:
+                lost = net.lost() or set(range(self.world)) - heard
+                for key in list(self.order):
+                    self._finish(self.ready[key], PeerLostError(
+                        f"lost peer {net.describe_lost(lost)}: elastic mode needs a majority of the "
+                        f"{self.world} nodes live, {len(heard)} are; round {key} cannot run"))
+            leader = self._choose_leader(heard) if quorum else None
+            if (leader == self.rank and self.order
+                    and all(self._epoch_of(r) <= self.epoch for r in heard)):
+                rnd = self.ready[self.order[0]]
+                try:
+                    self._lead(rnd, heard)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("round %s failed inside the leader", rnd.key)
+                    if rnd.key in self.ready:
+                        self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
+                continue
+            if leader != self.rank:
+                self._expire_unstarted()
+            msg = self.pending_start or net.poll(0.05)
+            self.pending_start = None
+            if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("L") != self.rank:
+                try:
+                    self._follow_elastic(msg)
+                except Exception as exc:  # noqa: BLE001
+                    key = msg["h"].get("k")
+                    if not isinstance(exc, BirdnetError):
+                        log.exception("round %r failed inside a follower", key)
+                        exc = InputError(f"round {key!r} failed inside the daemon: {exc!r}")
+                    log.warning("round %s: %s", key, exc)
+                    if isinstance(key, str) and key in self.ready:
+                        self._finish(self.ready[key], exc)
+
+    def _lost_members(self, ring: list[int]) -> list[int]:
+        now = time.monotonic()
+        return [r for r in ring if not self.net.presumed(r, now)]
+
+    def _wait_elastic(self, want: str, key: str, deadline: float, ring: list[int], prev: int) -> dict:
+        net = self.net
+        while True:
+            self._take_inbox()
+            lost = self._lost_members(ring)
+            if lost:
+                raise PeerLostError(f"lost peer {net.describe_lost(lost)} while round {key} was starting")
+            if self.stopping:
+                raise ShutdownError("the daemon is shutting down")
+            if time.monotonic() > deadline:
+                raise RoundTimeoutError(f"round {key} did not start on every node within "
+                                        f"round_timeout={self.settings.round_timeout} s")
+            msg = net.poll(0.05)
+            if msg is None or msg.get("from") not in ring:
+                continue
+            h = msg["h"]
+            if h.get("t") == "abort" and h.get("k") == key:
+                if h.get("retry") is True:
+                    raise _Retry(str(h.get("reason")))
+                raise RoundAborted(str(h.get("reason")))
+            if msg["from"] != prev:
+                continue
+            if h.get("t") == want and h.get("k") == key:
+                return h
+            if h.get("t") == "start" and want == "go" and h.get("L") != self.rank:
+                self.pending_start = msg  # the leader started again (this round or a newer one)
+                raise _Retry(f"round {key} was started again by the leader")
+
+    def _lead(self, rnd: LocalRound, heard: set[int]) -> None:  # type: ignore[override]
+        ring, ep, joiners, incs = self._proposal(heard)
+        key = rnd.key
+        if 2 * len(ring) <= self.world:
+            # not enough nodes want to take part yet (restarted without their processes): wait
+            self._expire_unstarted()
+            self.net.poll(0.05)
+            return
+        pos = ring.index(self.rank)
+        order = ring[pos:] + ring[:pos]
+        self.ring, self.next_rank = ring, order[1]
+        deadline = rnd.ready_at + self.settings.round_timeout
+        extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
+        member = {"ep": ep, "S": ring, "L": self.rank, "J": joiners, "I": incs}
+        try:
+            self.net.send({"t": "start", "k": key, **member, "descs": [[self.rank, self._own_desc(rnd)]],
+                           "more": [[k, [[self.rank, self._own_desc(self.ready[k])]]] for k in extras]},
+                          to=self.next_rank)
+            h = self._wait_elastic("start", key, deadline, ring, order[-1])
+            verdicts = [self._verdict(key, self._check_ring_descs(h.get("descs"), key, order))]
+            more = h.get("more") if isinstance(h.get("more"), list) else []
+            for item in more:
+                if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                        or item[0] not in self.ready or item[0] not in extras):
+                    raise ProtocolError(f"round {key}: malformed batch in the start message")
+                verdicts.append(self._verdict(item[0], self._check_ring_descs(item[1], item[0], order)))
+            v0 = verdicts[0]
+            self.net.send({"t": "go", "k": key, **member, "ok": v0[1], "err": v0[2], "errc": v0[3],
+                           "counts": v0[4], "more": [list(v) for v in verdicts[1:]]}, to=self.next_rank)
+        except (_Retry, PeerLostError) as exc:
+            if isinstance(exc, RoundAborted):
+                self._abort(key, f"rank {self.rank}: {exc}")
+                self._finish(rnd, exc)
+                return
+            # a member of the proposed ring is gone: start the round again once the ring re-forms
+            log.info("round %s: agreement on ring %s abandoned (%s); it will start again", key, ring, exc)
+            self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+            self.net.poll(0.1)
+            return
+        except BirdnetError as exc:
+            self._abort(key, f"rank {self.rank}: {exc}")
+            self._finish(rnd, exc)
+            return
+        self._apply(ep, ring, self.rank, incs)
+        self._run_ring_batch(verdicts, ring)
+
+    def _check_ring_descs(self, descs: Any, key: str, order: list[int]) -> list[tuple[int, dict[str, Any]]]:
+        if (not isinstance(descs, list) or len(descs) != len(order)
+                or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], dict) for x in descs)
+                or [x[0] for x in descs] != order):
+            raise ProtocolError(f"round {key}: malformed start message came back round the ring")
+        return sorted(((int(r), d) for r, d in descs), key=lambda x: x[0])  # counts in ring-position order
+
+    def _maybe_align(self, key: str) -> None:
+        """A joiner's first rounds: make its lowest waiting round of the job the one the leader started."""
+        job, _, seq_s = key.rpartition("/")
+        if self.join_epoch is None or job in self.aligned or not seq_s.isdigit():
+            return
+        if key in self.ready:
+            self.aligned.add(job)
+            return
+        mine = sorted((self.ready[k] for k in self.order if self.ready[k].job == job), key=lambda r: r.seq)
+        if not mine:
+            return
+        delta = int(seq_s) - mine[0].seq
+        for rnd in mine:
+            old = rnd.key
+            rnd.seq += delta
+            self.ready[rnd.key] = self.ready.pop(old)
+            self.order[self.order.index(old)] = rnd.key
+        self.offsets[job] = self.offsets.get(job, 0) + delta
+        self.aligned.add(job)
+        log.info("joined the ring: job %r call numbers shifted by %+d to the cluster's (call %d is round %s)",
+                 job, delta, mine[0].seq - delta, key)
+
+    def _follow_elastic(self, msg: dict) -> None:
+        h, frm = msg["h"], msg.get("from")
+        key, descs = h.get("k"), h.get("descs")
+        ring, ep, leader = _ranks(h.get("S"), self.world), h.get("ep"), h.get("L")
+        joiners = h.get("J") if isinstance(h.get("J"), list) else []
+        if (not isinstance(key, str) or not isinstance(descs, list) or ring is None or self.rank not in ring
+                or not isinstance(ep, int) or isinstance(ep, bool) or ep < self.epoch or leader not in ring
+                or frm != ring[ring.index(self.rank) - 1]):
+            log.debug("ignored a start from rank %r: %r", frm, {k: h.get(k) for k in ("k", "ep", "S", "L")})
+            return
+        pos = ring.index(self.rank)
+        self.ring, self.next_rank = ring, ring[(pos + 1) % len(ring)]
+        prev = ring[pos - 1]
+        if self.rank in joiners and self.join_epoch != ep:
+            self.join_epoch, self.aligned = ep, set()
+        deadline = time.monotonic() + self.settings.round_timeout
+        job, _, seq_s = key.rpartition("/")
+        while key not in self.ready:
+            self._maybe_align(key)
+            if key in self.ready:
+                break
+            if self.stopping:
+                return
+            if time.monotonic() > deadline:
+                descs.append([self.rank, {"error": f"the processes on node rank {self.rank} did not submit "
+                                                   f"round {key} within round_timeout"}])
+                self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
+                return
+            lost = self._lost_members(ring)
+            if lost:
+                self._abort(key, f"lost peer {self.net.describe_lost(lost)}", retry=True)
+                return
+            gone = self.departed.get(job)
+            if gone is not None and seq_s.isdigit() and int(seq_s) - self.offsets.get(job, 0) >= gone[1]:
+                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
+                                          "error_class": "ProcessLostError"}])
+                self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
+                try:
+                    g = self._wait_elastic("go", key, time.monotonic() + self.settings.peer_timeout * 2, ring, prev)
+                except (BirdnetError, _Retry):
+                    return
+                if self.next_rank != leader:
+                    self.net.send(g, to=self.next_rank)
+                return
+            self._take_inbox(timeout=0.0)
+            m = self.net.poll(0.02)
+            if m is None or m.get("from") != prev:
+                continue
+            if m["h"].get("t") == "abort" and m["h"].get("k") == key:
+                self._abort(key, str(m["h"].get("reason")), retry=m["h"].get("retry") is True)
+                return
+            if m["h"].get("t") == "start" and m["h"].get("k") != key:
+                self.pending_start = m
+                return
+        rnd = self.ready[key]
+        descs.append([self.rank, self._own_desc(rnd)])
+        more = h.get("more") if isinstance(h.get("more"), list) else []
+        kept = []
+        for item in more:
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], list) or item[0] not in self.ready):
+                break
+            kept.append([item[0], item[1] + [[self.rank, self._own_desc(self.ready[item[0]])]]])
+        self.net.send({**h, "descs": descs, "more": kept}, to=self.next_rank)
+        try:
+            g = self._wait_elastic("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout,
+                                   ring, prev)
+        except (_Retry, PeerLostError) as exc:
+            if not isinstance(exc, RoundAborted):
+                self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+                return  # the round stays waiting for the leader's next start
+            self._abort(key, f"rank {self.rank}: {exc}")
+            self._finish(rnd, exc)
+            return
+        except BirdnetError as exc:
+            self._abort(key, f"rank {self.rank}: {exc}")
+            self._finish(rnd, exc)
+            return
+        if g.get("ep") != ep or g.get("S") != ring or g.get("L") != leader:
+            exc = ProtocolError(f"round {key}: the go message does not match its start")
+            self._abort(key, f"rank {self.rank}: {exc}")
+            self._finish(rnd, exc)
+            return
+        if self.next_rank != leader:
+            try:
+                self.net.send(g, to=self.next_rank)
+            except BirdnetError as exc:
+                self._finish(rnd, exc)
+                return
+        self._apply(ep, ring, leader, g.get("I"))
+        verdicts = [[key, bool(g.get("ok")), g.get("err"), g.get("errc"), g.get("counts")]]
+        for v in g.get("more") if isinstance(g.get("more"), list) else []:
+            if isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and v[0] in self.ready:
+                verdicts.append(v)
+        for v in verdicts:
+            c = v[4]
+            if (not isinstance(c, list) or len(c) != len(ring)
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
+                v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
+                v[4] = [0] * len(ring)
+        self._run_ring_batch(verdicts, ring)
+
+    def _run_ring_batch(self, verdicts: list[list[Any]], ring: list[int]) -> None:
+        self.agreements += 1
+        failed: BirdnetError | None = None
+        for key, ok, err, errc, counts in verdicts:
+            rnd = self.ready.get(key)
+            if rnd is None:
+                continue
+            if not ok:
+                self._finish(rnd, from_wire({"error": errc or "RoundMismatchError", "message": str(err)}))
+            elif failed is not None:
+                self._abort(key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
+                self._finish(rnd, from_wire({"error": type(failed).__name__,
+                                             "message": f"an earlier round of the same batch failed: {failed}"}))
+            else:
+                counts = [int(c) for c in counts]
+                rnd.stats["contributors"] = [r for r, c in zip(ring, counts) if c > 0]
+                rnd.stats["epoch"] = self.epoch
+                failed = self._data_phase(rnd, ElasticTransport(self.net, key, ring), counts)
+
+    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
+        try:
+            self.runner.run(rnd, transport, transport.rank, transport.world, counts)
+        except BirdnetError as exc:
+            self._abort(rnd.key, f"rank {self.rank}: {exc}")
+            if getattr(transport, "interrupt", None):
+                self.pending_start = transport.interrupt
+            self._finish(rnd, exc)
+            return exc
+        except Exception as exc:  # noqa: BLE001
+            log.exception("round %s raised", rnd.key)
+            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
+            err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
+            self._finish(rnd, err)
+            return err
+        self._finish(rnd)
+        return None
