@@ -172,3 +172,25 @@ def test_elastic_node_lost_then_rejoins(tmp_path, drivers):
 def test_elastic_leader_lost_then_rejoins(tmp_path, drivers):
     with LocalCluster(4, tmp_path, extra=["--elastic"]) as cl:
         lose_and_regain(cl, drivers, dead=0)
+
+
+@pytest.mark.timeout(60)
+def test_elastic_without_a_majority_fails_clearly(tmp_path, drivers):
+    with LocalCluster(3, tmp_path, extra=["--elastic"]) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert all("ok" in r for r in together(d, "round 10 none"))
+        kill(cl, 1)
+        kill(cl, 2)
+        t = time.monotonic()
+        r = together([d[0]], "round 10 none", timeout=PEER_TIMEOUT + 15)[0]
+        assert r.get("error") == "PeerLostError" and "majority" in r["message"], r
+        assert time.monotonic() - t < 2 * PEER_TIMEOUT + 4
+
+
+def test_elastic_setting():
+    from birdnet.config import Settings, load_settings
+    assert "elastic" not in Settings().cluster_wide()  # off: the handshake fingerprint is unchanged
+    assert Settings(elastic=True).cluster_wide()["elastic"] is True
+    assert Settings(elastic=True).fingerprint() != Settings().fingerprint()
+    assert load_settings({}, environ={"BIRDNET_ELASTIC": "yes"}).elastic is True
+    assert load_settings({"elastic": None}, environ={}).elastic is False
