@@ -13,6 +13,8 @@ import mmap
 import os
 import secrets
 
+from birdnet.osutil import pid_alive
+
 SHM_DIR = "/dev/shm"
 
 
@@ -75,7 +77,7 @@ def remove_stale(prefix: str) -> list[str]:
         if not entry.startswith(prefix):
             continue
         pid_s = entry[len(prefix):].split("-", 1)[0]
-        if pid_s.isdigit() and int(pid_s) != os.getpid() and _alive(int(pid_s)):
+        if pid_s.isdigit() and int(pid_s) != os.getpid() and pid_alive(int(pid_s)):
             continue
         if pid_s.isdigit() and int(pid_s) == os.getpid():
             continue
@@ -85,13 +87,3 @@ def remove_stale(prefix: str) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True

@@ -46,6 +46,7 @@ from birdnet.errors import (
     to_wire,
 )
 from birdnet.hosts import Peer, find_own_rank, load_hosts
+from birdnet.osutil import pid_alive, unix_socket_accepts
 from birdnet.shm import Segment, new_name, remove_stale
 
 log = logging.getLogger("birdnet.daemon")
@@ -121,7 +122,7 @@ class Daemon:
             if self.gid is not None:
                 os.chown(sock_dir, -1, self.gid)
         if os.path.exists(self.socket_path):
-            if _socket_alive(self.ctx, self.socket_path):
+            if unix_socket_accepts(self.socket_path):
                 raise_config(f"another birdnetd already serves {self.socket_path}; stop it or pass --socket")
             os.unlink(self.socket_path)
         self.clients = self.ctx.socket(zmq.ROUTER)
@@ -504,7 +505,7 @@ class Daemon:
 
     def reap_sessions(self) -> None:
         for identity, s in list(self.sessions.items()):
-            if not _pid_alive(s.pid):
+            if not pid_alive(s.pid):
                 self.end_session(identity, "process exited")
 
     # -- status -----------------------------------------------------------------------------------
@@ -577,29 +578,6 @@ def _plain(d: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, list) and all(isinstance(x, (int, np.integer)) for x in v):
             out[k] = [int(x) for x in v]
     return out
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _socket_alive(ctx: zmq.Context, path: str) -> bool:
-    import socket as pysocket
-    s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def raise_config(msg: str) -> None:

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from birdnet.osutil import unix_socket_accepts
+
 START_TIMEOUT = 30.0
 
 
@@ -72,7 +74,7 @@ class LocalCluster:
         """Until daemon i accepts connections on its socket (a file left by a killed instance
         does not count)."""
         deadline = time.monotonic() + START_TIMEOUT
-        while not _accepts(self.sockets[i]):
+        while not unix_socket_accepts(self.sockets[i]):
             p = self.procs[i]
             if p is not None and p.poll() is not None:
                 raise RuntimeError(f"daemon {i} exited with {p.returncode}: {self.logs[i].read_text()[-2000:]}")
@@ -157,18 +159,6 @@ class Workers:
     def terminate(self) -> None:
         self.pool.terminate()
         self.pool.join()
-
-
-def _accepts(path: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(0.5)
-    try:
-        s.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def _call(fn, sock, node, local, args):
