@@ -49,7 +49,7 @@ def test_demo_trains_and_cleans_up():
 
 @pytest.mark.timeout(120)
 def test_demo_ctrl_c_leaves_nothing():
-    p = subprocess.Popen([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "2", "--epochs", "50"],
+    p = subprocess.Popen([sys.executable, "-m", "birdnet.cli", "demo", "--nodes", "2", "--epochs", "5000"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 90
@@ -65,7 +65,7 @@ def test_demo_ctrl_c_leaves_nothing():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert p.returncode == 130
+    assert p.returncode == 130, seen  # 130: interrupted (the run is far too long to finish first)
     time.sleep(0.5)
     assert not _birdnet_processes()
     hosts = seen.split("hosts file ", 1)[1].split(")", 1)[0]
