@@ -196,3 +196,13 @@ def test_codec_description_rebuilds_the_same_codec(name):
     d = get_codec(name).describe()
     again = get_codec(d["codec"], **{k: v for k, v in d.items() if k != "codec"})
     assert again.describe() == d
+
+
+def test_client_import_does_not_import_numba():
+    """Training processes must not pay for the JIT (numba is imported by codec modules only)."""
+    import subprocess
+    import sys
+    code = ("import sys, birdnet, birdnet.client, birdnet.errors, birdnet.wire; "
+            "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)[:5]")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
