@@ -178,9 +178,14 @@ class RoundRunner:
                 x += p.array.reshape(-1)
         codec_name = d["codec"]["codec"] if isinstance(d.get("codec"), dict) else "none"
         before_s, before_r = transport.bytes_sent, transport.bytes_received
+        mean = d["op"] == "mean" and rnd.kind == "allreduce"
+        divided = False
         if codec_name == "none" or rnd.kind == "broadcast":
+            # the mean's one division happens inside the ring, on each segment's owner
+            divided = mean and dtype.kind == "f"
             out = ring_allreduce(transport, x, timeout=self.settings.peer_timeout,
-                                 chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key})
+                                 chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key},
+                                 divide_by=total if divided else None)
         else:
             # With one local float32 process the result goes straight into its shared memory (the
             # codecs read x only while compressing, and never send from it).
@@ -195,7 +200,7 @@ class RoundRunner:
         st["codec"] = codec_name
         dense = 2 * (world - 1) / world * n * dtype.itemsize if world > 1 else 0
         st["ratio"] = (dense / st["bytes_sent"]) if st["bytes_sent"] else (1.0 if dense == 0 else float("inf"))
-        if d["op"] == "mean" and rnd.kind == "allreduce":
+        if mean and not divided:
             # one division by the processes that really contributed, the same IEEE op on every node
             np.divide(out, out.dtype.type(total), out=out)
         for p in parts:

@@ -206,3 +206,18 @@ def test_client_import_does_not_import_numba():
             "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)[:5]")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_dense_ring_divides_each_segment_once_on_its_owner(world, dtype):
+    """``divide_by`` (the mean) gives exactly the bits of dividing the finished sum everywhere."""
+    rng = np.random.default_rng(world)
+    xs = [rng.standard_normal(10007).astype(dtype) for _ in range(world)]
+    ring = MemoryRing(world)
+    summed = ring.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096))
+    ring = MemoryRing(world)
+    mean = ring.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096, divide_by=world + 2))
+    expected = np.divide(summed[0], dtype(world + 2))
+    for m in mean:
+        assert m.dtype == dtype and m.tobytes() == expected.tobytes()

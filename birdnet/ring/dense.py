@@ -80,22 +80,28 @@ class _Checker:
 
 
 def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 256 * 1024,
-                   wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None
-                   ) -> np.ndarray:
+                   wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
+                   divide_by: int | None = None) -> np.ndarray:
     """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
 
     ``timeout`` is the longest wait for any one message (a sign of life of the left neighbour).
     ``wire_dtype`` (e.g. float16) is the dtype chunks travel in; sums are kept in ``x.dtype``.
-    With ``inplace`` the result overwrites ``x``. Raises :class:`RoundMismatchError` when nodes
-    disagree on ``tag``, :class:`~birdnet.errors.PeerLostError` when a neighbour stays silent.
+    With ``inplace`` the result overwrites ``x``. ``divide_by`` (for a mean) divides each finished
+    segment once, on the node that finished it, before the all-gather copies it everywhere: the
+    same bits on every node, and each node divides 1/world of the vector instead of all of it.
+    Raises :class:`RoundMismatchError` when nodes disagree on ``tag``,
+    :class:`~birdnet.errors.PeerLostError` when a neighbour stays silent.
     """
     if x.ndim != 1:
         raise ValueError("ring_allreduce takes a 1-D array")
     out = x if inplace else x.copy()
     r, world = transport.rank, transport.world
+    div = out.dtype.type(divide_by) if divide_by is not None else None
     if world == 1:
         if wire_dtype is not None and np.dtype(wire_dtype) != out.dtype:
             out[:] = out.astype(wire_dtype)
+        if div is not None:
+            np.divide(out, div, out=out)
         return out
     wdt = np.dtype(wire_dtype) if wire_dtype is not None else out.dtype
     narrow = wdt != out.dtype
@@ -128,6 +134,8 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
             else:
                 out[a:b] += incoming
             if last:  # segment finished here: round to the wire dtype so all ranks agree, then gather
+                if div is not None:
+                    np.divide(out[a:b], div, out=out[a:b])
                 if narrow:
                     out[a:b] = out[a:b].astype(wdt)
                 transport.send(checker.header("ag", 0, ci), [encode(a, b)])
