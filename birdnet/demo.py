@@ -49,21 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         workers = None
         try:
             cluster.start()
-            manager = mp.get_context("spawn").Manager()
-            try:
-                cfg["progress"] = manager.Queue()
-                workers = cluster.run_async(train_worker, cfg)
-                while not workers.ready():
-                    try:
-                        h = cfg["progress"].get(timeout=0.5)
-                        bar = "#" * int(30 * h["epoch"] / a.epochs)
-                        print(f"\r  epoch {h['epoch']:>3}/{a.epochs} [{bar:<30}] test accuracy {h['acc']:.3f} "
-                              f"loss {h['loss']:.3f}", end="", flush=True)
-                    except queue.Empty:
-                        pass
-                results = workers.get(timeout=600)
-            finally:
-                manager.shutdown()
+            cfg["progress"] = mp.get_context("spawn").Queue()
+            workers = cluster.run_async(train_worker, cfg)
+            while not workers.ready():
+                try:
+                    h = cfg["progress"].get(timeout=0.5)
+                    bar = "#" * int(30 * h["epoch"] / a.epochs)
+                    print(f"\r  epoch {h['epoch']:>3}/{a.epochs} [{bar:<30}] test accuracy {h['acc']:.3f} "
+                          f"loss {h['loss']:.3f}", end="", flush=True)
+                except queue.Empty:
+                    pass
+            results = workers.get(timeout=600)
         except KeyboardInterrupt:
             print("\ninterrupted; stopping the cluster", file=sys.stderr)
             if workers is not None:

@@ -21,7 +21,9 @@ def _segments_of(sockets) -> set[str]:
     return {f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)}
 
 
-def _birdnet_processes() -> set[int]:
+def _birdnet_processes(workdir: str) -> set[int]:
+    """Daemons started by the demo whose working directory is ``workdir`` (other tests may run
+    demos at the same time)."""
     out = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -29,7 +31,7 @@ def _birdnet_processes() -> set[int]:
                 cmd = open(f"/proc/{pid}/cmdline", "rb").read()
             except OSError:
                 continue
-            if b"birdnet.daemon.main" in cmd and b"birdnet-demo-" in cmd:
+            if b"birdnet.daemon.main" in cmd and workdir.encode() in cmd:
                 out.add(int(pid))
     return out
 
@@ -43,7 +45,7 @@ def test_demo_trains_and_cleans_up():
     assert res["accuracy"] > 0.85  # digits, 4 epochs: ~0.93 in practice
     assert res["identical_parameters_on_all_nodes"] and res["daemon_exit_codes"] == [0, 0, 0]
     assert res["bytes_sent_per_worker"] > 0
-    assert not _birdnet_processes()
+    assert not _birdnet_processes(os.path.dirname(res["sockets"][0]))
     assert _segments_of(res["sockets"]) == set()
 
 
@@ -62,13 +64,16 @@ def test_demo_ctrl_c_leaves_nothing():
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         p.wait(60)
     finally:
-        if p.poll() is None:
+        if p.poll() is None:  # the demo did not stop: kill it, and its daemons (their own sessions)
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+            if "hosts file " in seen:
+                for pid in _birdnet_processes(os.path.dirname(seen.split("hosts file ", 1)[1].split(")", 1)[0])):
+                    os.kill(pid, signal.SIGKILL)
     assert p.returncode == 130, seen  # 130: interrupted (the run is far too long to finish first)
     time.sleep(0.5)
-    assert not _birdnet_processes()
     hosts = seen.split("hosts file ", 1)[1].split(")", 1)[0]
+    assert not _birdnet_processes(os.path.dirname(hosts))
     sockets = [os.path.join(os.path.dirname(hosts), f"node{i}.sock") for i in range(2)]
     assert _segments_of(sockets) == set()
     assert not os.path.exists(os.path.dirname(hosts))  # the demo's working directory is gone too

@@ -137,28 +137,67 @@ class LocalCluster:
 
 
 class Workers:
-    """Training processes in flight; ``get`` collects results ordered by (node, local) and
-    re-raises the first worker error; the pool is always terminated."""
+    """Training processes in flight, one spawned process each (not a Pool: a pool's workers and
+    its result thread do not survive a Ctrl-C reliably). Workers ignore SIGINT, so a Ctrl-C reaches
+    only the parent, which then ends them with :meth:`terminate`. ``get`` collects results ordered
+    by (node, local) and re-raises the first worker error; the processes are always reaped."""
 
     def __init__(self, fn, jobs, args) -> None:
-        self.pool = mp.get_context("spawn").Pool(len(jobs))
-        self.results = [self.pool.apply_async(_call, (fn, s, i, j, args)) for s, i, j in jobs]
+        ctx = mp.get_context("spawn")
+        self.queue = ctx.Queue()
+        self.results: dict[int, tuple] = {}
+        self.procs = [ctx.Process(target=_child, args=(fn, s, i, j, args, self.queue, k), daemon=True)
+                      for k, (s, i, j) in enumerate(jobs)]
+        for p in self.procs:
+            p.start()
+
+    def _collect(self, timeout: float) -> None:
+        import queue as _queue
+        try:
+            k, res = self.queue.get(timeout=timeout)
+        except _queue.Empty:
+            return
+        self.results[k] = res
 
     def ready(self) -> bool:
-        return all(r.ready() for r in self.results)
+        while len(self.results) < len(self.procs):
+            before = len(self.results)
+            self._collect(0.0)
+            if len(self.results) == before:
+                break
+        return len(self.results) == len(self.procs)
 
     def get(self, timeout: float) -> list:
+        deadline = time.monotonic() + timeout
         try:
-            deadline = time.monotonic() + timeout
-            out = [r.get(max(0.1, deadline - time.monotonic())) for r in self.results]
+            while len(self.results) < len(self.procs):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self.procs) - len(self.results)} worker(s) did not finish within {timeout} s")
+                dead = [k for k, p in enumerate(self.procs) if k not in self.results and p.exitcode not in (None, 0)]
+                if dead and not self.queue.qsize():
+                    raise RuntimeError(f"worker {dead[0]} died with exit code {self.procs[dead[0]].exitcode}")
+                self._collect(min(left, 0.5))
         finally:
-            self.pool.terminate()
-            self.pool.join()
+            self.terminate()
+        out = [self.results[k] for k in range(len(self.procs))]
         return [o[1] if o[0] == "ok" else _raise(o[1]) for o in out]
 
     def terminate(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _child(fn, sock, node, local, args, q, k):
+    import signal as _signal
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    q.put((k, _call(fn, sock, node, local, args)))
 
 
 def _call(fn, sock, node, local, args):
