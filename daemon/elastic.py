@@ -645,7 +645,10 @@ class ElasticRingWorker(RingWorker):
             self.join_epoch, self.aligned = ep, set()
         deadline = time.monotonic() + self.settings.round_timeout
         job, _, seq_s = key.rpartition("/")
-        while key not in self.ready:
+        while True:
+            self._take_inbox()  # before any wait: see RingWorker._follow
+            if key in self.ready:
+                break
             self._maybe_align(key)
             if key in self.ready:
                 break
@@ -672,7 +675,6 @@ class ElasticRingWorker(RingWorker):
                 if self.next_rank != leader:
                     self.net.send(g, to=self.next_rank)
                 return
-            self._take_inbox(timeout=0.0)
             m = self.net.poll(0.02)
             if m is None or m.get("from") != prev:
                 continue

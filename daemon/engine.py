@@ -525,8 +525,13 @@ class RingWorker(threading.Thread):
         if not isinstance(key, str) or not isinstance(descs, list):
             return
         deadline = time.monotonic() + self.settings.round_timeout
-        # Wait until this node's processes have submitted the round the leader chose.
-        while key not in self.ready:
+        # Wait until this node's processes have submitted the round the leader chose. The inbox is
+        # read before every wait: the service thread's wake-up may already have been consumed by
+        # the poll that delivered this start, and waiting on it again would add a whole poll period.
+        while True:
+            self._take_inbox()
+            if key in self.ready:
+                break
             if self.stopping:
                 return
             if time.monotonic() > deadline:
@@ -547,7 +552,6 @@ class RingWorker(threading.Thread):
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 self._pass_go(key)
                 return
-            self._take_inbox(timeout=0.0)
             msg = self.net.poll(0.02)
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
                 self._abort(key, str(msg["h"].get("reason")))

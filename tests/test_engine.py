@@ -65,3 +65,47 @@ def test_result_written_in_place_matches_a_separate_buffer(codec, params):
         assert one[r][0].tobytes() == one[0][0].tobytes()
         if codec != "marsit":  # marsit's random merge masks depend on the process counts
             assert one[r][0].tobytes() == two[r][0].tobytes()
+
+
+class _NetStandIn:
+    """Just enough of PeerNet for RingWorker._follow, recording what the follower waits on.
+
+    A stand-in (not real sockets) because what it pins down, a follower that had its round already
+    and still waited one poll period (20 ms a round; the wake-up had been consumed by the poll that
+    delivered the leader's start), cannot be provoked deterministically through ZeroMQ."""
+
+    def __init__(self, worker_ref, go):
+        self.rank, self.world, self.stopping = 1, 2, False
+        self.bytes_sent = self.bytes_received = 0
+        self.worker_ref, self.go = worker_ref, go
+        self.sent, self.polls_while_queued = [], 0
+
+    def lost(self):
+        return set()
+
+    def send(self, header, buffers=(), track=False):
+        self.sent.append(header)
+
+    def poll(self, timeout):
+        w = self.worker_ref[0]
+        if not self.sent and (not w.inbox.empty() or w.ready):
+            self.polls_while_queued += 1  # waiting for the round although it is already here
+        return {"h": self.go} if self.sent else None
+
+
+def test_follower_takes_a_queued_round_before_waiting():
+    from birdnet.daemon.engine import RingWorker
+
+    key = "j/0"
+    go = {"t": "go", "k": key, "ok": True, "err": None, "errc": None, "counts": [1, 1], "more": []}
+    ref = []
+    net = _NetStandIn(ref, go)
+    done = []
+    w = RingWorker(Settings(), 1, 2, net, RoundRunner(Settings(), StateStore(1 << 20)), done.append)
+    ref.append(w)
+    barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
+    w.submit(barrier)  # queued by the service thread; its wake-up was already consumed
+    w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    assert net.polls_while_queued == 0
+    assert net.sent[0]["t"] == "start" and net.sent[0]["descs"][1][0] == 1
+    assert done == [barrier] and barrier.error is None
