@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 from birdnet.daemon.engine import MAX_BATCH, LocalRound, RingWorker
-from birdnet.daemon.peers import PeerNet, RoundAborted, RoundTransport
+from birdnet.daemon.peers import PeerNet, RoundAborted, RoundTransport, frames_nbytes, send_frames
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.errors import (
@@ -159,11 +159,11 @@ class ElasticPeerNet(PeerNet):
         to = self.right.rank if to is None else to
         frames = wire.encode(header, buffers)
         try:
-            tracker = self.dealers[to].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track and bool(buffers))
+            tracker = send_frames(self.dealers[to], frames, track)
         except zmq.Again:
             raise PeerLostError(f"cannot send to rank {to} ({self.peers[to].address}): not connected"
                                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
-        self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        self.bytes_sent += frames_nbytes(frames)
         return tracker
 
     def _send_ping(self) -> None:

