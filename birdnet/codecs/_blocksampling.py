@@ -91,18 +91,20 @@ class BlockSamplingCodec(Codec):
         return st or None
 
     # -- selection (subclasses) ------------------------------------------------------------------
-    def _local_selection(self, norms: np.ndarray, ctx: RoundContext) -> tuple[np.ndarray, np.ndarray]:
-        """(p: float64[m], ascending kept ids: int64) from this node's block norms."""
+    def _local_selection(self, norms: np.ndarray, amax: float,
+                         ctx: RoundContext) -> tuple[np.ndarray, np.ndarray]:
+        """(p of the kept blocks: float64, ascending kept ids: int64) from this node's block norms
+        (``amax``: the largest finite norm)."""
         raise NotImplementedError
 
     def _shared_selection(self, weights_src: np.ndarray, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """(p, ids) from the shared importance: must be bit-identical on every node."""
+        """(p of the kept blocks, ids) from the shared importance: must be bit-identical on every node."""
         raise NotImplementedError
 
     def _shared(self, state: Any, m: int, ctx: RoundContext) -> tuple[np.ndarray, np.ndarray, int]:
         st = C.require_state(self.name, state, m, ("imp",))
-        p, ids = self._shared_selection(B.importance(st["imp"]), m, ctx.seed)
-        return p, ids, rng.digest(ctx.seed, ids)
+        pk, ids = self._shared_selection(B.importance(st["imp"]), m, ctx.seed)
+        return pk, ids, rng.digest(ctx.seed, ids)
 
     # -- the work --------------------------------------------------------------------------------
     def compress(self, x: np.ndarray, ctx: RoundContext, state=None) -> Payload:
@@ -113,20 +115,21 @@ class BlockSamplingCodec(Codec):
         shared = prm["mode"] == "shared"
         norms = np.empty(m, np.float32)
         st = None
+        amax = 0.0
         if prm["error_feedback"]:
             st = C.require_state(self.name, state, n, ("v",))
             src = st["v"]
-            B.accumulate_norms(x, st.get("u"), src, prm["momentum"], b, norms)
+            amax = B.norms_max(x, st.get("u"), src, prm["momentum"], b, norms, error_feedback=True)
         else:
             src = x
             if not shared:
-                B.block_norms(x, b, norms)
+                amax = B.norms_max(x, None, None, 0.0, b, norms, error_feedback=False)
         if shared:
-            p, ids, dig = self._shared(state, m, ctx)
+            pk, ids, dig = self._shared(state, m, ctx)
         else:
-            p, ids = self._local_selection(norms, ctx)
+            pk, ids = self._local_selection(norms, amax, ctx)
         k = int(ids.shape[0])
-        scale = self._scales(p, ids)
+        scale = self._scales(pk)
         vals = np.empty(k * b, np.float32)
         B.gather_blocks(src, b, ids, scale, vals)
         wire = vals
@@ -146,11 +149,11 @@ class BlockSamplingCodec(Codec):
         return Payload(header={"n": n, "b": b, "k": k},
                        buffers=[ids.astype(C.index_dtype(m)), wire])
 
-    def _scales(self, p: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def _scales(self, pk: np.ndarray) -> np.ndarray:
+        # pk: the selection probabilities of the kept blocks
         how = self.params["scale"]
-        if how == "none" or ids.shape[0] == 0:
-            return np.ones(ids.shape[0], np.float32)
-        pk = p[ids]
+        if how == "none" or pk.shape[0] == 0:
+            return np.ones(pk.shape[0], np.float32)
         if how == "capped":
             pk = np.maximum(pk, 1.0 / self.params["cap"])
         return (1.0 / pk).astype(np.float32)

@@ -46,11 +46,13 @@ class BirdCodec(BlockSamplingCodec):
         p = B.probabilities_for(w, inv_tau)
         return p, seed
 
-    def _local_selection(self, norms: np.ndarray, ctx: RoundContext):
+    def _local_selection(self, norms: np.ndarray, amax: float, ctx: RoundContext):
         p, seed = self._select(norms, ctx.local_seed)
-        return p, B.bernoulli(p, seed ^ _STAGE2)
+        ids = B.bernoulli(p, seed ^ _STAGE2)
+        return p[ids], ids
 
     def _shared_selection(self, imp: np.ndarray, m: int, seed: int):
         p, seed = self._select(imp, seed)
         B.floor_mix(p, self.params["eps"], self.params["density"])
-        return p, B.bernoulli(p, seed ^ _STAGE2)
+        ids = B.bernoulli(p, seed ^ _STAGE2)
+        return p[ids], ids

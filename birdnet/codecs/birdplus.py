@@ -42,26 +42,17 @@ class BirdPlusCodec(BlockSamplingCodec):
         params["gamma"] = float(g)
         return super().validate(params)
 
-    def _probabilities(self, a: np.ndarray, k: int) -> np.ndarray:
-        return B.probabilities(B.gamma_weights(a, self.params["gamma"]), k)
-
-    def _local_selection(self, norms: np.ndarray, ctx: RoundContext):
-        m = norms.shape[0]
-        k = kept_blocks(self.params["density"], m)
-        p = self._probabilities(norms, k)
-        return p, _walk(p, rng.uniform_scalar(ctx.local_seed, 0))
+    def _local_selection(self, norms: np.ndarray, amax: float, ctx: RoundContext):
+        # fused: no float64 weights or probabilities over all m blocks (B.birdplus_select)
+        k = kept_blocks(self.params["density"], norms.shape[0])
+        ids, pk = B.birdplus_select(norms, amax, self.params["gamma"], k,
+                                    rng.uniform_scalar(ctx.local_seed, 0))
+        return pk, ids
 
     def _shared_selection(self, imp: np.ndarray, m: int, seed: int):
+        # sequential, fixed-order float64 kernels: identical on every node and for any thread count
         k = kept_blocks(self.params["density"], m)
-        p = self._probabilities(imp, k)
+        p = B.probabilities(B.gamma_weights(imp, self.params["gamma"]), k)
         B.floor_mix(p, self.params["eps"], k / m if m else 0.0)
-        return p, _walk(p, rng.uniform_scalar(seed, 0))
-
-
-def _walk(p: np.ndarray, u: float) -> np.ndarray:
-    """Systematic sampling; when sum p is an integer (up to rounding) exactly that many blocks."""
-    s = float(np.sum(p)) if p.shape[0] else 0.0
-    k = float(np.floor(s + 0.5))
-    if k > 0 and abs(s - k) <= 1e-9 * max(1.0, k):
-        return B.systematic(p, int(k), u)
-    return B.systematic_natural(p, u)
+        ids = B.walk(p, rng.uniform_scalar(seed, 0))
+        return p[ids], ids

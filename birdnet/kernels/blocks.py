@@ -42,43 +42,127 @@ def _block_l1(x, lo, hi):
     return s
 
 
-@njit("void(float32[::1], int64, float32[::1])", cache=True, parallel=True)
+@njit(cache=True, inline="always")
+def _block_l1_8(x, lo):
+    # _block_l1 for a full block of 8 (bit-identical: 0 + |x| = |x|), unrolled so LLVM vectorises it
+    s0 = abs(x[lo])
+    s1 = abs(x[lo + 1])
+    s2 = abs(x[lo + 2])
+    s3 = abs(x[lo + 3])
+    s4 = abs(x[lo + 4])
+    s5 = abs(x[lo + 5])
+    s6 = abs(x[lo + 6])
+    s7 = abs(x[lo + 7])
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+# Kernels below loop from 0 over slices: with a loop index that LLVM can prove non-negative,
+# Numba's negative-index wraparound disappears and the loops vectorise (2-10x faster).
+
+_INF_BITS = np.int32(0x7F800000)
+
+
+@njit(cache=True)
+def _norms_chunk(xs, us, vs, momentum, b, mode, out):
+    """Block norms of one chunk (xs, us, vs: its elements; out: its blocks). mode 0: out = L1(x);
+    1: v += x, out = L1(v); 2: u = momentum*u + x, v += u, out = L1(v). Returns the largest finite
+    norm as int32 bits (for non-negative floats the bit order is the value order; NaN/Inf excluded).
+    Full blocks of 8 take an unrolled path with the same arithmetic as _block_l1."""
+    n = xs.shape[0]
+    nb = out.shape[0]
+    j0 = 0
+    if b == 8:
+        jf = min(nb, n // 8)
+        if mode == 0:
+            for j in range(jf):
+                out[j] = _block_l1_8(xs, 8 * j)
+        elif mode == 1:
+            for j in range(jf):
+                lo = 8 * j
+                for i in range(8):
+                    vs[lo + i] = vs[lo + i] + xs[lo + i]
+                out[j] = _block_l1_8(vs, lo)
+        else:
+            for j in range(jf):
+                lo = 8 * j
+                for i in range(8):
+                    us[lo + i] = momentum * us[lo + i] + xs[lo + i]
+                    vs[lo + i] = vs[lo + i] + us[lo + i]
+                out[j] = _block_l1_8(vs, lo)
+        j0 = jf
+    for j in range(j0, nb):
+        lo = j * b
+        hi = min(n, lo + b)
+        if mode == 0:
+            out[j] = _block_l1(xs, lo, hi)
+        else:
+            if mode == 1:
+                for i in range(lo, hi):
+                    vs[i] = vs[i] + xs[i]
+            else:
+                for i in range(lo, hi):
+                    us[i] = momentum * us[i] + xs[i]
+                    vs[i] = vs[i] + us[i]
+            out[j] = _block_l1(vs, lo, hi)
+    bits = out.view(np.int32)
+    mx = np.int32(0)
+    for j in range(nb):
+        t = bits[j]
+        t = np.int32(0) if t >= _INF_BITS else t
+        mx = max(mx, t)
+    return mx
+
+
+#: blocks per parallel chunk of the norm pass
+_NORM_CHUNK = 8192
+
+
+@njit(cache=True, inline="always")
+def _norms_one_chunk(x, u, v, momentum, b, mode, out, c):
+    n = x.shape[0]
+    j0 = c * _NORM_CHUNK
+    j1 = min(out.shape[0], j0 + _NORM_CHUNK)
+    lo = j0 * b
+    hi = min(n, j1 * b)
+    return _norms_chunk(x[lo:hi], u[lo:hi] if mode == 2 else u, v[lo:hi] if mode != 0 else v,
+                        momentum, b, mode, out[j0:j1])
+
+
+@njit("int32(float32[::1], float32[::1], float32[::1], float32, int64, int64, float32[::1])",
+      cache=True, parallel=True)
+def _norms_pass(x, u, v, momentum, b, mode, out):
+    # chunks of blocks in parallel; the per-block arithmetic does not depend on the thread count
+    nch = -(-out.shape[0] // _NORM_CHUNK)
+    cmax = np.zeros(nch, np.int32)
+    for c in prange(nch):
+        cmax[c] = _norms_one_chunk(x, u, v, momentum, b, mode, out, c)
+    mx = np.int32(0)
+    for c in range(nch):
+        mx = max(mx, cmax[c])
+    return mx
+
+
+@njit("int32(float32[::1], float32[::1], float32[::1], float32, int64, int64, float32[::1])", cache=True)
+def _norms_pass_serial(x, u, v, momentum, b, mode, out):
+    # same arithmetic as _norms_pass without a thread launch (small tensors)
+    mx = np.int32(0)
+    for c in range(-(-out.shape[0] // _NORM_CHUNK)):
+        mx = max(mx, _norms_one_chunk(x, u, v, momentum, b, mode, out, c))
+    return mx
+
+
 def _block_norms(x, b, out):
-    n = x.shape[0]
-    for j in prange(out.shape[0]):
-        out[j] = _block_l1(x, j * b, min(n, (j + 1) * b))
+    e = np.empty(0, np.float32)
+    _norms_pass(x, e, e, np.float32(0.0), b, np.int64(0), out)
 
 
-@njit("void(float32[::1], int64, float32[::1])", cache=True)
 def _block_norms_serial(x, b, out):
-    # same per-block arithmetic as _block_norms (bit-identical); no thread launch for small tensors
-    n = x.shape[0]
-    for j in range(out.shape[0]):
-        out[j] = _block_l1(x, j * b, min(n, (j + 1) * b))
+    e = np.empty(0, np.float32)
+    _norms_pass_serial(x, e, e, np.float32(0.0), b, np.int64(0), out)
 
 
 #: below this many elements the serial kernels win (a parallel launch costs ~0.1-0.3 ms)
 SERIAL_BELOW = 1 << 16
-
-
-@njit("void(float32[::1], float32[::1], float32[::1], float32, int64, float32[::1])",
-      cache=True, parallel=True)
-def _accumulate_norms(x, u, v, momentum, b, out):
-    # error feedback fused with the norm pass (DGC momentum correction when u is non-empty):
-    #   u = momentum*u + x ; v = v + u      (or v = v + x without momentum)
-    n = x.shape[0]
-    use_u = u.shape[0] == n
-    for j in prange(out.shape[0]):
-        lo = j * b
-        hi = min(n, lo + b)
-        if use_u:
-            for i in range(lo, hi):
-                u[i] = momentum * u[i] + x[i]
-                v[i] = v[i] + u[i]
-        else:
-            for i in range(lo, hi):
-                v[i] = v[i] + x[i]
-        out[j] = _block_l1(v, lo, hi)
 
 
 def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -95,16 +179,30 @@ def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
 def accumulate_norms(x: np.ndarray, u: np.ndarray | None, v: np.ndarray, momentum: float, b: int,
                      out: np.ndarray) -> np.ndarray:
     """In place: ``u = momentum*u + x; v += u`` (or ``v += x`` when u is None); out = block L1 of v."""
-    n = x.shape[0]
-    _check(x, np.float32, "accumulate x")
-    _check(v, np.float32, "accumulate v", n)
-    if u is None:
-        u = np.empty(0, np.float32)
-    else:
-        _check(u, np.float32, "accumulate u", n)
-    _check(out, np.float32, "accumulate out", -(-n // b))
-    _accumulate_norms(x, u, v, np.float32(momentum), np.int64(b), out)
+    norms_max(x, u, v, momentum, b, out, error_feedback=True)
     return out
+
+
+def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentum: float, b: int,
+              out: np.ndarray, error_feedback: bool) -> float:
+    """One pass over memory: block L1 norms into ``out`` (of ``x``, or of ``v`` after the error
+    feedback update ``u = momentum*u + x; v += u`` / ``v += x`` when ``error_feedback``); returns
+    the largest finite norm (0.0 when there is none). Norms are bit-identical to :func:`block_norms`."""
+    n = x.shape[0]
+    _check(x, np.float32, "norms x")
+    _check(out, np.float32, "norms out", -(-n // b))
+    e = np.empty(0, np.float32)
+    mode = 0
+    if error_feedback:
+        _check(v, np.float32, "accumulate v", n)
+        mode = 1
+        if u is not None:
+            _check(u, np.float32, "accumulate u", n)
+            mode = 2
+    kern = _norms_pass if n >= SERIAL_BELOW else _norms_pass_serial
+    bits = kern(x, e if u is None or mode != 2 else u, e if mode == 0 else v, np.float32(momentum),
+                np.int64(b), np.int64(mode), out)
+    return float(np.array([bits], np.int32).view(np.float32)[0])
 
 
 # -- weights and probabilities (O(m), sequential, float64) -----------------------------------------
@@ -128,24 +226,137 @@ def _pow_quarters(r, q):
     return w
 
 
-@njit("void(float32[::1], int64, float64[::1])", cache=True)
+#: blocks per chunk of the vectorised weight computation (_weights_chunk)
+_WCHUNK = 256
+
+
+@njit(cache=True, inline="always")
+def _finish(ad, t, scale, pmode):
+    # weight t of a block of norm ad: 0 where ad = 0, +Inf where ad is NaN/Inf (always kept);
+    # pmode 0: the weight, 1: p = min(1, scale*w) (0 where w = 0), 2: p for scale = +Inf
+    t = t if ad > 0.0 else 0.0
+    t = t if ad < np.inf else np.inf
+    if pmode == 0:
+        return t
+    if pmode == 1:
+        x = scale * t
+        x = x if x < 1.0 else 1.0
+        return x if t > 0.0 else 0.0
+    return 1.0 if t > 0.0 else 0.0
+
+
+@njit(cache=True, inline="always")
+def _weights_chunk(aa, amax, q, scale, pmode, r, pw, w):
+    """w[i] = gamma weight of block norm aa[i] (or its probability, see _finish): exactly
+    _pow_quarters(aa[i]/amax, q), the same IEEE operations in the same order, but evaluated so that
+    LLVM vectorises across blocks: one loop per gamma in 1, 2, 4, ..., 64 (w = r^(2^s) by repeated
+    squaring, which is the sequence _pow_quarters performs for q = 4*2^s), otherwise one operation
+    at a time over the chunk."""
+    nn = aa.shape[0]
+    if q == 4:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 8:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 16:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 32:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 64:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 128:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    elif q == 256:
+        for i in range(nn):
+            ad = np.float64(aa[i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, scale, pmode)
+    else:
+        for i in range(nn):
+            ri = np.float64(aa[i]) / amax
+            r[i] = ri
+            pw[i] = ri
+            w[i] = 1.0
+        e = q >> 2
+        while e > 0:
+            if e & 1:
+                for i in range(nn):
+                    w[i] = w[i] * pw[i]
+            e >>= 1
+            if e > 0:
+                for i in range(nn):
+                    pw[i] = pw[i] * pw[i]
+        if q & 2:
+            for i in range(nn):
+                w[i] = w[i] * math.sqrt(r[i])
+        if q & 1:
+            for i in range(nn):
+                w[i] = w[i] * math.sqrt(math.sqrt(r[i]))
+        for i in range(nn):
+            w[i] = _finish(np.float64(aa[i]), w[i], scale, pmode)
+
+
+@njit(cache=True)
+def _finite_max_any(a):
+    # the largest finite value of non-negative float32 a (0.0 when none): int32 bit order
+    bits = a.view(np.int32)
+    mx = np.int32(0)
+    for i in range(bits.shape[0]):
+        t = bits[i]
+        t = np.int32(0) if t >= _INF_BITS else t
+        mx = max(mx, t)
+    return np.float64(np.array([mx], np.int32).view(np.float32)[0])
+
+
+@njit("void(float32[::1], int64, float64[::1])", cache=True, error_model="numpy")
 def _gamma_weights(a, q, w):
     # Gamma correction (bird.md 2, BIRD+ step 1): w = (a/max a)^gamma, gamma = q/4; w = 0 where a = 0
     # (also for gamma = 0); a non-finite norm (NaN/Inf in the block) gets w = +Inf: kept for sure,
     # so the NaN/Inf propagates to the result instead of being silently dropped.
-    amax = 0.0
-    for i in range(a.shape[0]):
-        ai = np.float64(a[i])
-        if ai > amax and ai < np.inf:
-            amax = ai
-    for i in range(a.shape[0]):
-        ai = np.float64(a[i])
-        if not (ai < np.inf):  # NaN or +Inf
-            w[i] = np.inf
-        elif ai > 0.0:
-            w[i] = _pow_quarters(ai / amax, q)
-        else:
-            w[i] = 0.0
+    amax = _finite_max_any(a)
+    r = np.empty(_WCHUNK, np.float64)
+    pw = np.empty(_WCHUNK, np.float64)
+    for j0 in range(0, a.shape[0], _WCHUNK):
+        j1 = min(a.shape[0], j0 + _WCHUNK)
+        _weights_chunk(a[j0:j1], amax, q, 0.0, 0, r, pw, w[j0:j1])
 
 
 @njit("float64(float64[::1], float64)", cache=True)
@@ -249,19 +460,251 @@ def _sample_norms(a, seed, s, out):
         out[j] = a[min(m - 1, np.int64(uniform(seed, j) * m))]
 
 
+# -- BIR+ selection without full passes over float64 weights -----------------------------------------
+#
+# The water-filling scale A (sum_i min(1, A w_i) = k) caps the blocks with w_i >= t = 1/A, and
+# t > w_(floor(k)+1) (the (floor(k)+1)-th largest weight: capping that many would exceed k). A
+# bound L estimated from a fixed, seed-independent sample of the weights (or norms) splits the
+# blocks: those above L are candidates (a few times k of them), those below only contribute their
+# sum F to the free weight. The water filling runs on the candidates with F added; when its
+# solution satisfies A*L < 1, no block below L is capped, so it is the solution of the full
+# problem (the same iterates as _solve_scale, up to the order of the float64 sums). Otherwise
+# (or when the candidates overflow their buffer) the callers fall back to the full-pass solve.
+
+_BOUND_SEED = np.uint64(0x6A09E667F3BCC909)  # fixed: the bound must not depend on the round
+_BOUND_SAMPLE = 4096
+#: below this many blocks the full-pass solve is cheap enough
+CANDIDATES_FROM = 32768
+
+
+@njit(cache=True)
+def _sample_bound(a, k):
+    """A value L meant to lie below the (floor(k)+1)-th largest of ``a`` with ~1.25k..2k values
+    above it, from a fixed pseudo-random sample (NaN counts as +Inf); 0.0 when the sample is too
+    small to be useful. Only the speed depends on it, never the result."""
+    m = a.shape[0]
+    s = _BOUND_SAMPLE
+    frac = (math.floor(k) + 1.0) / m
+    r = np.int64(math.ceil(1.25 * s * frac + 4.0 * math.sqrt(s * frac) + 2.0))
+    if r >= s // 2:
+        return 0.0
+    samp = np.empty(s, np.float64)
+    for j in range(s):
+        v = np.float64(a[min(m - 1, np.int64(uniform(_BOUND_SEED, j) * m))])
+        samp[j] = v if v < np.inf else np.inf
+    samp.sort()
+    return samp[s - r]
+
+
+def _candidate_capacity(m: int, k: float) -> int:
+    frac = (np.floor(k) + 1.0) / m
+    r = np.ceil(1.25 * _BOUND_SAMPLE * frac + 4.0 * np.sqrt(_BOUND_SAMPLE * frac) + 2.0)
+    return int(min(m, 3.0 * m * r / _BOUND_SAMPLE + 4096))
+
+
+@njit(cache=True)
+def _water_fill(cand, nc, free0, ninf, npos, k):
+    """(A, sum of the p_i) for sum_i min(1, A w_i) = k over the finite candidate weights cand[:nc]
+    plus ``ninf`` infinite weights (always capped) and a free weight ``free0`` that is never capped.
+    The iteration of _solve_scale; A = +Inf when k >= npos (every positive weight kept)."""
+    if k >= npos:
+        return np.inf, np.float64(npos)
+    a = 0.0
+    capped = -1
+    c = ninf
+    free = free0
+    for _ in range(nc + 2):
+        c = ninf
+        free = free0
+        for i in range(nc):
+            wi = cand[i]
+            if a > 0.0 and a * wi >= 1.0:
+                c += 1
+            else:
+                free += wi
+        if c == capped:
+            break
+        capped = c
+        if free <= 0.0 or k - c <= 0.0:
+            break
+        a = (k - c) / free
+    return a, c + a * free
+
+
+@njit("float64(float64[::1], float64, float64, float64[::1])", cache=True)
+def _solve_scale_candidates(w, k, wl, cand):
+    """_solve_scale with the candidates w > wl; NaN when the bound does not hold (fall back)."""
+    npos = 0
+    ninf = 0
+    nc = 0
+    free = 0.0
+    cap = cand.shape[0]
+    for i in range(w.shape[0]):  # one sequential pass, fixed order
+        wi = w[i]
+        if wi > 0.0:
+            npos += 1
+        if wi == np.inf:
+            ninf += 1
+        elif wi > wl:
+            if nc == cap:
+                return np.nan
+            cand[nc] = wi
+            nc += 1
+        else:
+            free += wi
+    a, _ = _water_fill(cand, nc, free, ninf, npos, k)
+    if a < np.inf and not (a * wl < 1.0):
+        return np.nan
+    return a
+
+
+@njit(cache=True, error_model="numpy")
+def _weight_pass(a, amax, q, al, cand):
+    """One pass over the float32 norms for the fused BIRD+ selection: the candidates' weights
+    (norm > al; NaN/Inf counted apart), the free weight F of the others (eight float64 lanes,
+    fixed order), the number of positive weights. Returns (F, npos, ninf, nc); nc = -1 on overflow."""
+    m = a.shape[0]
+    cap = cand.shape[0]
+    r = np.empty(_WCHUNK, np.float64)
+    pw = np.empty(_WCHUNK, np.float64)
+    w = np.empty(_WCHUNK, np.float64)
+    fr = np.zeros(_WCHUNK, np.float64)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    npos = 0
+    ninf = 0
+    nc = 0
+    for j0 in range(0, m, _WCHUNK):
+        aa = a[j0:min(m, j0 + _WCHUNK)]
+        nn = aa.shape[0]
+        _weights_chunk(aa, amax, q, 0.0, 0, r, pw, w)
+        ncand = 0
+        for i in range(nn):
+            wi = w[i]
+            npos += wi > 0.0
+            isc = not (np.float64(aa[i]) <= al)  # above the bound, or NaN
+            ncand += isc
+            fr[i] = 0.0 if isc else wi
+        for i in range(nn, _WCHUNK):
+            fr[i] = 0.0
+        for g in range(0, _WCHUNK, 8):
+            s0 += fr[g]
+            s1 += fr[g + 1]
+            s2 += fr[g + 2]
+            s3 += fr[g + 3]
+            s4 += fr[g + 4]
+            s5 += fr[g + 5]
+            s6 += fr[g + 6]
+            s7 += fr[g + 7]
+        if ncand:
+            for i in range(nn):
+                if not (aa[i] <= al):
+                    if w[i] == np.inf:
+                        ninf += 1
+                    elif nc < cap:
+                        cand[nc] = w[i]
+                        nc += 1
+                    else:
+                        return 0.0, 0, 0, -1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), npos, ninf, nc
+
+
+@njit(cache=True, inline="always")
+def _gap(val):
+    # distance of val to the nearest integer (how far a floor decision is from flipping)
+    fl = math.floor(val)
+    return min(val - fl, fl + 1.0 - val)
+
+
+@njit(cache=True, error_model="numpy")
+def _walk_fused(a, amax, q, scale, k, f, u, ids, pk):
+    """Systematic sampling (as _systematic) over p_i = min(1, scale * w_i) computed on the fly from
+    the float32 norms (w_i as _gamma_weights). The cumulative sum C advances per group of 8 blocks
+    by the group's sequential sum (one float64 add per group on the chain), a group is skipped when
+    floor(f*C - u) does not change over it, and inside a crossing group C_i = C_g + (p_g0 + ... +
+    p_i), the same partial sums, so C is monotone and a block with p = 0 never crosses. f*C_i is clamped to k and forced to k at the last block, so
+    at most k blocks are kept (exactly k when k is an integer and the last crossing is on a block
+    with p > 0). Writes the kept ids and their p. Returns (number kept, final C, smallest distance
+    of a floor decision from an integer): the caller re-walks with f = k / C when a different f
+    could have moved a decision."""
+    m = a.shape[0]
+    r = np.empty(_WCHUNK, np.float64)
+    pw = np.empty(_WCHUNK, np.float64)
+    w = np.empty(_WCHUNK, np.float64)
+    gs = np.empty(_WCHUNK // 8, np.float64)
+    pmode = 1 if scale < np.inf else 2
+    c = 0.0
+    last = math.floor(-u)
+    j = 0
+    dmin = np.inf
+    for j0 in range(0, m, _WCHUNK):
+        aa = a[j0:min(m, j0 + _WCHUNK)]
+        nn = aa.shape[0]
+        _weights_chunk(aa, amax, q, scale, pmode, r, pw, w)
+        if j0 + nn < m:  # not the last chunk (nn == _WCHUNK): groups of 8
+            for g in range(_WCHUNK // 8):
+                o = 8 * g
+                t = w[o]
+                for i in range(o + 1, o + 8):
+                    t = t + w[i]
+                gs[g] = t
+            for g in range(_WCHUNK // 8):
+                ce = c + gs[g]
+                val = min(ce * f, k) - u
+                dmin = min(dmin, _gap(val))
+                if math.floor(val) > last:
+                    t = 0.0
+                    for i in range(8 * g, 8 * g + 8):
+                        t = t + w[i]  # the same sequential sum as gs[g]: C at the group's end is ce
+                        val = min((c + t) * f, k) - u
+                        dmin = min(dmin, _gap(val))
+                        fl = math.floor(val)
+                        if fl > last:
+                            if w[i] > 0.0:
+                                ids[j] = j0 + i
+                                pk[j] = w[i]
+                                j += 1
+                            last = fl
+                c = ce
+        else:
+            for i in range(nn):
+                p = w[i]
+                c = c + p
+                if j0 + i == m - 1:
+                    val = k - u  # forced: does not depend on f
+                else:
+                    val = min(c * f, k) - u
+                    dmin = min(dmin, _gap(val))
+                fl = math.floor(val)
+                if fl > last:
+                    if p > 0.0:
+                        ids[j] = j0 + i
+                        pk[j] = p
+                        j += 1
+                    last = fl
+    return j, c, dmin
+
+
 # -- gather / scatter / clear (O(kept blocks)) ----------------------------------------------------
+
+# Loops index 0-based slices (see _norms_chunk): Numba then drops the negative-index checks and a
+# block's loads are independent, so the cache misses of the (scattered) kept blocks overlap.
 
 @njit(cache=True, inline="always")
 def _gather_one(x, b, ids, scale, out, j):
     n = x.shape[0]
     lo = ids[j] * b
-    hi = min(n, lo + b)
     s = np.float32(scale[j])
-    base = j * b
-    for i in range(lo, hi):
-        out[base + i - lo] = x[i] * s
-    for i in range(hi - lo, b):
-        out[base + i] = 0.0
+    o = out[j * b:(j + 1) * b]
+    if lo + b <= n:
+        src = x[lo:lo + b]
+        for i in range(b):
+            o[i] = src[i] * s
+    else:
+        src = x[lo:n]
+        for i in range(src.shape[0]):
+            o[i] = src[i] * s
+        for i in range(src.shape[0], b):
+            o[i] = 0.0
 
 
 @njit(cache=True, parallel=True)
@@ -281,13 +724,14 @@ def _scatter_one(vals, b, ids, out, add, j):
     n = out.shape[0]
     lo = np.int64(ids[j]) * b
     hi = min(n, lo + b)
-    base = j * b
+    src = vals[j * b:j * b + (hi - lo)]
+    dst = out[lo:hi]
     if add:
-        for i in range(lo, hi):
-            out[i] += np.float32(vals[base + i - lo])
+        for i in range(dst.shape[0]):
+            dst[i] += np.float32(src[i])
     else:
-        for i in range(lo, hi):
-            out[i] = np.float32(vals[base + i - lo])
+        for i in range(dst.shape[0]):
+            dst[i] = np.float32(src[i])
 
 
 @njit(cache=True, parallel=True)
@@ -311,11 +755,14 @@ def _subtract_sent(v, u, b, ids, sent):
     for j in prange(ids.shape[0]):
         lo = ids[j] * b
         hi = min(n, lo + b)
-        base = j * b
-        for i in range(lo, hi):
-            v[i] = v[i] - np.float32(sent[base + i - lo])
-            if use_u:
-                u[i] = 0.0
+        src = sent[j * b:j * b + (hi - lo)]
+        dst = v[lo:hi]
+        for i in range(dst.shape[0]):
+            dst[i] = dst[i] - np.float32(src[i])
+        if use_u:
+            uu = u[lo:hi]
+            for i in range(uu.shape[0]):
+                uu[i] = 0.0
 
 
 @njit(cache=True)
@@ -347,6 +794,21 @@ def gamma_quarters(gamma: float) -> int:
 
 
 def solve_scale(w: np.ndarray, k: float) -> float:
+    """A with sum_i min(1, A*w_i) = k. Large inputs: water filling on the candidates above a
+    sampled bound (:func:`_solve_scale_candidates`), else / on failure the full-pass solve."""
+    _check(w, np.float64, "solve_scale w")
+    k = float(k)
+    m = w.shape[0]
+    if m >= CANDIDATES_FROM:
+        a = float(_solve_scale_candidates(w, k, float(_sample_bound(w, k)),
+                                          np.empty(_candidate_capacity(m, k), np.float64)))
+        if not np.isnan(a):
+            return a
+    return float(_solve_scale(w, k))
+
+
+def solve_scale_full(w: np.ndarray, k: float) -> float:
+    """The reference full-pass water filling (one sequential pass per iteration)."""
     _check(w, np.float64, "solve_scale w")
     return float(_solve_scale(w, float(k)))
 
@@ -357,6 +819,80 @@ def probabilities(w: np.ndarray, k: float) -> np.ndarray:
     p = np.empty(w.shape[0], np.float64)
     _probabilities(w, a, p)
     return p
+
+
+def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float,
+                    bound: float | None = None, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """BIRD+ selection from float32 block norms ``a`` (``amax`` = their largest finite value, as
+    returned by :func:`norms_max`): p_i = min(1, A*w_i) with w = gamma_weights(a, gamma) and
+    sum p = k, then systematic sampling with ``u``. Returns (kept ids int64 ascending, their p
+    float64). Same result as probabilities() + systematic walk up to the order of float64 sums,
+    without materialising w or p: one pass over the norms for the candidates and the free weight,
+    the water filling on the candidates, one fused pass for the walk. ``bound`` / ``capacity``
+    override the sampled candidate bound and the candidate buffer size (tests: force the fallback)."""
+    _check(a, np.float32, "birdplus_select a")
+    m = a.shape[0]
+    q = gamma_quarters(gamma)
+    k = float(k)
+    if m == 0:
+        return np.empty(0, np.int64), np.empty(0, np.float64)
+    al = 0.0
+    cap = m
+    if m >= CANDIDATES_FROM:
+        al = min(float(_sample_bound(a, k)), amax)
+        cap = _candidate_capacity(m, k)
+    if bound is not None:
+        al = min(float(bound), amax)
+    if capacity is not None:
+        cap = int(capacity)
+    cand = np.empty(cap, np.float64)
+    free, npos, ninf, nc = _weight_pass(a, np.float64(amax), np.int64(q), np.float64(al), cand)
+    scale = np.nan
+    if nc >= 0:
+        scale, total = _water_fill(cand, np.int64(nc), free, np.int64(ninf), np.int64(npos), k)
+        wl = float(_pow_quarters(al / amax, np.int64(q))) if al > 0.0 else 0.0
+        if scale < np.inf and not (scale * wl < 1.0):
+            scale = np.nan
+    if np.isnan(scale):  # the bound did not hold: full-pass solve on materialised weights
+        w = gamma_weights(a, gamma)
+        p = np.empty(m, np.float64)
+        _probabilities(w, _solve_scale(w, k), p)
+        ids = walk(p, u)
+        return ids, p[ids]
+    kk = float(np.floor(total + 0.5))
+    natural = False  # as walk(): exactly kk blocks when sum p is the integer kk up to rounding
+    if kk > 0 and abs(total - kk) <= 1e-9 * max(1.0, kk):
+        kw, f = kk, kk / total
+    elif total > 0.0:
+        kw, f, natural = total, 1.0, True
+    else:
+        return np.empty(0, np.int64), np.empty(0, np.float64)
+    nmax = int(np.ceil(kw)) + 1
+    ids = np.empty(nmax, np.int64)
+    pk = np.empty(nmax, np.float64)
+    args = (a, np.float64(amax), np.int64(q), np.float64(scale))
+    j, c, dmin = _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u), ids, pk)
+    # f came from the analytic sum of p, not from the walk's own sum c: if rescaling by kw / c
+    # instead could move a decision (the smallest distance of one from an integer is within the
+    # difference, plus rounding), walk again with the walk's own sum (as _systematic does).
+    if not dmin > abs(c * f - kw) + 8 * np.finfo(np.float64).eps * max(1.0, kw):
+        if not c > 0.0:
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        if natural:
+            kw = c
+        else:
+            f = kw / c
+        j, _, _ = _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u), ids, pk)
+    return ids[:j], pk[:j]
+
+
+def walk(p: np.ndarray, u: float) -> np.ndarray:
+    """Systematic sampling; when sum p is an integer (up to rounding) exactly that many blocks."""
+    s = float(np.sum(p)) if p.shape[0] else 0.0
+    k = float(np.floor(s + 0.5))
+    if k > 0 and abs(s - k) <= 1e-9 * max(1.0, k):
+        return systematic(p, int(k), u)
+    return systematic_natural(p, u)
 
 
 def floor_mix(p: np.ndarray, eps: float, floor: float) -> np.ndarray:
