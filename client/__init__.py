@@ -177,7 +177,9 @@ class Client:
                 f"{st.st_mode & 0o777:o}): birdnetd serves only its own user and its --shm-group; run the "
                 "training process as one of them")
 
-    def _connect(self) -> None:
+    def _connect(self, timeout: float | None = None) -> None:
+        """Connect and say hello; the daemon must answer within ``timeout`` (default connect_timeout)."""
+        timeout = self.connect_timeout if timeout is None else timeout
         self._check_access()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -192,11 +194,11 @@ class Client:
         self._lost = None
         self._send({"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid()})
         try:
-            reply = self._recv(time.monotonic() + self.connect_timeout)
+            reply = self._recv(time.monotonic() + timeout)
         except RoundTimeoutError:
             self._close_socket()
             raise DaemonUnavailableError(
-                f"birdnetd at {self.socket_path} did not answer within {self.connect_timeout} s; is it running? "
+                f"birdnetd at {self.socket_path} did not answer within {timeout:.3g} s; is it running? "
                 "(`birdnet status --socket PATH`; start it with `birdnetd --peers hosts.txt`)") from None
         except DaemonUnavailableError:
             self._close_socket()
@@ -288,7 +290,9 @@ class Client:
         deadline = time.monotonic() + self.reconnect_timeout
         while True:
             try:
-                self._connect()
+                # each attempt waits only for what is left of reconnect_timeout, so the call's whole
+                # wait stays within it (a daemon still starting would otherwise add connect_timeout)
+                self._connect(min(self.connect_timeout, max(0.2, deadline - time.monotonic())))
                 return
             except DaemonUnavailableError as exc:
                 if time.monotonic() >= deadline:

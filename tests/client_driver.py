@@ -1,7 +1,8 @@
 """A long-lived training-process stand-in driven over stdin/stdout, so a test can keep one client
 alive across daemon kills and restarts: ``python client_driver.py SOCKET [JOB]``; each stdin line
-is a command (``round N``, ``buffer N``, ``delay S round N``, ``status``, ``quit``), each answer
-one JSON line ``{"ok": ..., "error": class, "message": ..., "seconds": ...}``."""
+is a command (``round N``, ``buffer N``, ``delay S round N``, ``within S round N`` (the
+call's own timeout, else 60 s), ``status``, ``quit``), each answer one JSON line
+``{"ok": ..., "error": class, "message": ..., "seconds": ...}``."""
 from __future__ import annotations
 
 import json
@@ -25,13 +26,17 @@ def main() -> None:
             break
         t = time.monotonic()
         ans: dict = {}
+        within = 60.0
         try:
             if words[0] == "delay":
                 time.sleep(float(words[1]))
                 words = words[2:]
+            if words[0] == "within":
+                within = float(words[1])
+                words = words[2:]
             if words[0] == "round":
                 n = int(words[1])
-                out = c.allreduce(np.full(n, c.rank + 1, np.float32), op="sum", name="t", timeout=60)
+                out = c.allreduce(np.full(n, c.rank + 1, np.float32), op="sum", name="t", timeout=within)
                 ans["ok"] = float(out[0]) if n else None
             elif words[0] == "buffer":
                 n = int(words[1])
@@ -39,7 +44,7 @@ def main() -> None:
                     buffers[n] = c.buffer((n,), np.float32)
                 b = buffers[n]
                 b[:] = c.rank + 1
-                out = c.allreduce(b, op="sum", name="b", timeout=60)
+                out = c.allreduce(b, op="sum", name="b", timeout=within)
                 ans["ok"] = float(out[0])
                 ans["same"] = bool(np.shares_memory(out, b))
             elif words[0] == "status":

@@ -197,29 +197,81 @@ def test_client_killed_mid_round_frees_its_session_and_others_go_on(tmp_path, dr
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=False, reason="known intermittent hang (2 of ~8 full-suite runs under load): a client's "
-                   "first call after its daemon restarted got no answer within 30 s; under investigation")
 def test_daemon_restarted_while_clients_idle(tmp_path, drivers):
     with LocalCluster(2, tmp_path) as cl:
         d = [drivers(s) for s in cl.sockets]
         assert [r.get("ok") for r in together(d, "round 10")] == [3.0, 3.0]
+        t = time.monotonic()
         assert cl.stop_node(1) == 0
         restart(cl, 1)
+        down = time.monotonic() - t
         took = wait_ring_ok(cl)
         assert took < PEER_TIMEOUT + SLACK
-        for x in d:
-            x.send("round 10")
-        res = [x.read() for x in d]
-        assert [r.get("ok") for r in res] == [3.0, 3.0], res
+        next_call_after_restart(d, down)
         # killed while idle, restarted: the same
+        t = time.monotonic()
         cl.send_signal(0, signal.SIGKILL)
         cl.procs[0].wait(10)
         restart(cl, 0)
+        down = time.monotonic() - t
         wait_ring_ok(cl)
-        for x in d:
-            x.send("round 10")
-        res = [x.read() for x in d]
-        assert [r.get("ok") for r in res] == [3.0, 3.0], res
+        next_call_after_restart(d, down)
+
+
+def next_call_after_restart(d: list[Driver], down: float) -> None:
+    """The first call on every node after a daemon was restarted while its clients were idle: it
+    works. Only when the restart itself took about peer_timeout (a loaded machine) may the node
+    that stayed up count the peer lost for a moment after it is back (it counts from the old
+    instance's last pong): then that call fails with PeerLostError on every node, at once, and the
+    next one works. Never a hang (Driver.read raises after 30 s)."""
+    res = together(d, "round 10")
+    if down > PEER_TIMEOUT - 2 and all(r.get("error") == "PeerLostError" for r in res):
+        res = together(d, "round 10")
+    assert [r.get("ok") for r in res] == [3.0, 3.0], res
+
+
+def peer_lost_on(cl: LocalCluster, i: int, rank: int, timeout: float = 15.0) -> None:
+    """Until daemon i reports peer ``rank`` lost."""
+    from birdnet.client import Client
+    deadline = time.monotonic() + timeout
+    while True:
+        with Client(cl.sockets[i], job="__test_status__", connect_timeout=2) as c:
+            if c.status()["peers"][rank]["state"] == "lost":
+                return
+        assert time.monotonic() < deadline, f"daemon {i} never reported rank {rank} lost"
+        time.sleep(0.2)
+
+
+# A restart that takes about peer_timeout is seen as a loss by one node only, for a moment (the
+# survivor counts from the old instance's last pong and reconnects with a back-off). A call made
+# in that moment fails on that node alone; the same call on the other node must fail too, at once,
+# instead of waiting round_timeout (600 s) for an agreement that cannot come: that was the hang of
+# test_daemon_restarted_while_clients_idle. Pausing a daemon (SIGSTOP) makes the one-sided loss
+# deterministic.
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason="needs the daemon/engine.py change of the restart-while-idle hang (a round "
+                   "failed on one node alone must fail on the others, not wait round_timeout); drop this marker "
+                   "with that change")
+@pytest.mark.parametrize("paused", [0, 1], ids=["leader_paused", "follower_paused"])
+def test_a_round_failed_on_one_node_alone_fails_on_the_others(tmp_path, drivers, paused):
+    other = 1 - paused
+    with LocalCluster(2, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert [r.get("ok") for r in together(d, "round 10")] == [3.0, 3.0]
+        cl.send_signal(paused, signal.SIGSTOP)
+        try:
+            peer_lost_on(cl, other, paused)
+            r = d[other].call("within 20 round 10")  # fails here alone: the peer is lost
+            assert r.get("error") == "PeerLostError" and f"rank {paused}" in r["message"], r
+        finally:
+            cl.send_signal(paused, signal.SIGCONT)
+        wait_ring_ok(cl)
+        # the same call on the paused node: a clear error within a few heartbeats, not a wait
+        r = d[paused].call("within 20 round 10", 30)
+        assert r.get("error") == "PeerLostError" and r["seconds"] < PEER_TIMEOUT + SLACK, r
+        assert f"rank {paused}" in r["message"], r
+        # call numbering still agrees: the next call works everywhere
+        assert [r.get("ok") for r in together(d, "round 10")] == [3.0, 3.0]
 
 
 @pytest.mark.timeout(60)
