@@ -283,6 +283,13 @@ class RingWorker(threading.Thread):
         #: job -> why its rounds cannot complete on this node (a local process left); written by the
         #: service thread, read here (single dict operations, atomic under the GIL)
         self.departed: dict[str, tuple[str, int]] = {}  # job -> (why, first call affected)
+        #: rounds failed on one node before any verdict of the leader (a lost peer seen by that node
+        #: alone): key -> (error class, message, monotonic time). A round with such a key fails at once
+        #: here too, so no node waits round_timeout for an agreement that cannot come.
+        self.failed_alone: dict[str, tuple[str, str, float]] = {}
+        #: jobs whose processes on this node all left and came back (a new incarnation may number its
+        #: rounds from 0 again): their failed_alone keys are dropped. Appended by the service thread.
+        self.restarted_jobs: list[str] = []
 
     # -- plumbing ---------------------------------------------------------------------------------
     def submit(self, rnd: LocalRound) -> None:
@@ -295,6 +302,10 @@ class RingWorker(threading.Thread):
         self.inbox.put(None)
 
     def _take_inbox(self, timeout: float = 0.0) -> None:
+        while self.restarted_jobs:
+            prefix = self.restarted_jobs.pop(0) + "/"
+            for k in [k for k in self.failed_alone if k.startswith(prefix)]:
+                del self.failed_alone[k]
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -303,10 +314,46 @@ class RingWorker(threading.Thread):
             if item is not None:
                 self.ready[item.key] = item
                 self.order.append(item.key)
+                t = self._tombstone(item.key)
+                if t is not None:
+                    self._finish(item, from_wire({"error": t[0], "message": t[1]}))
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _tombstone(self, key: str) -> tuple[str, str, float] | None:
+        t = self.failed_alone.get(key)
+        if t is not None and time.monotonic() - t[2] > self.settings.round_timeout + self.settings.peer_timeout:
+            del self.failed_alone[key]
+            return None
+        return t
+
+    def _remember_failed(self, key: str, cls: str, message: str) -> None:
+        self.failed_alone.pop(key, None)
+        self.failed_alone[key] = (cls, message, time.monotonic())
+        while len(self.failed_alone) > 4096:
+            self.failed_alone.pop(next(iter(self.failed_alone)))
+
+    def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
+        """Fail a round on this node before the leader's verdict, and tell the ring: a node that
+        holds (or will hold) the same round fails it too instead of waiting for its agreement."""
+        self._finish(rnd, error)
+        self._remember_failed(rnd.key, type(error).__name__, str(error))
+        self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank)
+
+    def _on_lone_abort(self, h: dict[str, Any]) -> None:
+        """An ``abort`` carrying its origin ``o``: a node failed the round alone (see _fail_alone)."""
+        key, origin = h.get("k"), h.get("o")
+        if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
+            return
+        reason = str(h.get("reason"))
+        self._remember_failed(key, "PeerLostError", reason)
+        if key in self.ready:
+            from birdnet.daemon.peers import RoundAborted
+            self._finish(self.ready[key], RoundAborted(reason))
+        if (self.rank + 1) % self.world != origin:
+            self._abort(key, reason, origin=origin)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
         self.ready.pop(rnd.key, None)
@@ -379,7 +426,7 @@ class RingWorker(threading.Thread):
                 for key in list(self.order):
                     rnd = self.ready[key]
                     if time.monotonic() - rnd.ready_at >= 0 or True:
-                        self._finish(rnd, PeerLostError(
+                        self._fail_alone(rnd, PeerLostError(
                             f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
                             f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
             if self.rank == 0 and self.order and not lost:
@@ -395,6 +442,8 @@ class RingWorker(threading.Thread):
                 self._expire_unstarted()
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
+            if msg is not None and msg["h"].get("t") == "abort":
+                self._on_lone_abort(msg["h"])
             # Only followers act on a start; the leader's own starts come back inside _lead.
             if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
                 try:
@@ -443,14 +492,17 @@ class RingWorker(threading.Thread):
                 raise RoundAborted(str(h.get("reason")))
             if h.get("t") == want and h.get("k") == key:
                 return h
+            if h.get("t") == "abort" and "o" in h:
+                self._on_lone_abort(h)  # another round, failed on one node alone
+                continue
             if h.get("t") == "start" and want == "go" and self.rank != 0:
                 self.pending_start = msg
                 raise RoundTimeoutError(f"round {key} was abandoned by the leader")
             # anything else is stale (an earlier, failed round)
 
-    def _abort(self, key: str, reason: str) -> None:
+    def _abort(self, key: str, reason: str, origin: int | None = None) -> None:
         try:
-            self.net.send({"t": "abort", "k": key, "reason": reason})
+            self.net.send({"t": "abort", "k": key, "reason": reason, **({"o": origin} if origin is not None else {})})
         except Exception:  # noqa: BLE001
             pass
 
@@ -541,7 +593,16 @@ class RingWorker(threading.Thread):
                 return
             lost = self.net.lost()
             if lost:
-                self._abort(key, f"lost peer {self.net.describe_lost(lost)}")
+                why = f"lost peer {self.net.describe_lost(lost)} while round {key} was starting"
+                self._remember_failed(key, "PeerLostError", why)
+                self._abort(key, why)
+                return
+            t = self._tombstone(key)
+            if t is not None:
+                # this node failed the round already (alone, before any verdict): fail it everywhere
+                descs.append([self.rank, {"error": t[1], "error_class": t[0]}])
+                self.net.send({"t": "start", "k": key, "descs": descs})
+                self._pass_go(key)
                 return
             job, _, seq_s = key.rpartition("/")
             gone = self.departed.get(job)
@@ -605,6 +666,8 @@ class RingWorker(threading.Thread):
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
         """Run one agreed round; returns its error (already reported) or None."""
+        if hasattr(transport, "on_lone_abort"):
+            transport.on_lone_abort = self._on_lone_abort
         try:
             self.runner.run(rnd, transport, self.rank, self.world, counts)
         except BirdnetError as exc:

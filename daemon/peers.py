@@ -407,6 +407,8 @@ class RoundTransport:
         self.bytes_received = 0
         self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
         self.trackers: list[Any] = []
+        #: called with an ``abort`` of another round that a node failed alone (RingWorker._on_lone_abort)
+        self.on_lone_abort: Any = None
 
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
@@ -454,6 +456,9 @@ class RoundTransport:
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") in (self.key, None):
                 raise RoundAborted(str(h.get("reason")))
+            if h.get("t") == "abort" and "o" in h and self.on_lone_abort is not None:
+                self.on_lone_abort(h)
+                continue
             if h.get("t") == "start":
                 self.interrupt = msg
                 raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")

@@ -304,12 +304,17 @@ class Daemon:
             raise InputError("job name must be 1..200 characters")
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
-        for other in [x for x in self.sessions.values() if x.job == job and x.pid == pid]:
+        same = [x for x in self.sessions.values() if x.job == job and x.pid == pid]
+        for other in same:
             # the same process on a new connection (its old one was dropped): it takes its place
             self.end_session(other.identity, "reconnected")
         if len(self.sessions) >= MAX_SESSIONS:
             raise InputError(f"birdnetd already serves {MAX_SESSIONS} client sessions")
         j = self.jobs.setdefault(job, Job(job))
+        if not j.sessions and not same and self.worker is not None:
+            # a new incarnation of the job on this node may number its rounds from 0 again: the
+            # ring worker forgets rounds of the job it failed alone (RingWorker.failed_alone)
+            self.worker.restarted_jobs.append(job)
         free = [i for i in range(self.settings.local_size) if i not in j.sessions]
         if not free:
             raise InputError(f"job {job!r} already has {self.settings.local_size} process(es) on this node "
