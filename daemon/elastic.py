@@ -78,7 +78,9 @@ class ElasticPeerNet(PeerNet):
                 curve.configure_client(d, p)
             d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
             d.setsockopt(zmq.RECONNECT_IVL, 100)
-            d.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            # back-off capped at one heartbeat: a neighbour restarted quickly is reconnected before
+            # its absence can add up to peer_timeout (a one-sided "lost" right after it is back)
+            d.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, min(1000, int(settings.heartbeat_interval * 1000))))
             d.connect(p.endpoint())
             self.poller.register(d, zmq.POLLIN)
             self.dealers[p.rank] = d

@@ -125,7 +125,9 @@ class PeerNet:
         self.handshake_failures = 0
         self.dealer.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
         self.dealer.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        # back-off capped at one heartbeat: a neighbour restarted quickly is reconnected before
+        # its absence can add up to peer_timeout (a one-sided "lost" right after it is back)
+        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, min(1000, int(settings.heartbeat_interval * 1000))))
         me = peers[rank]
         host = _resolve(me.host)
         host = f"[{host}]" if ":" in host else host
