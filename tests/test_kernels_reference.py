@@ -462,3 +462,29 @@ def test_birdplus_select_inclusion_probabilities():
         hits[ids] += 1
     freq = hits / trials
     assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / trials) + 1e-3)
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 1000, 4099])
+def test_walk_grouped_reference(m):
+    rs = np.random.default_rng(m)
+    w = B.gamma_weights(rs.exponential(1.0, m).astype(np.float32), 2)
+    w[rs.random(m) < 0.1] = 0.0
+    k = max(1, int(np.floor(0.05 * m + 0.5)))
+    p = B.probabilities(w, k)
+    for u in (0.1, 0.5, 0.999999):
+        ids = B.walk_grouped(p, u)
+        assert ids.size == min(k, int((p > 0).sum())) and np.all(p[ids] > 0)
+        np.testing.assert_array_equal(ids, B.walk(p, u))  # random data: rounding decides no crossing
+    # shared mode's floor mix, in place, bit-identical to probabilities() + floor_mix()
+    ref = B.floor_mix(B.probabilities(w, k), 0.1, k / m)
+    got = B.shared_probabilities(w.copy(), k, 0.1, k / m)
+    np.testing.assert_array_equal(got, ref)
+    for u in (0.1, 0.7):
+        np.testing.assert_array_equal(B.walk_grouped(got, u), B.walk(ref, u))
+    # a sum that is not an integer: floor or ceil of it (natural walk)
+    q = rs.random(m) * 0.6 + 0.013
+    for u in (0.2, 0.9):
+        ids = B.walk_grouped(q, u)
+        assert ids.size in (int(np.floor(q.sum())), int(np.ceil(q.sum())))
+        np.testing.assert_array_equal(ids, B.walk(q, u))
+    assert B.walk_grouped(np.zeros(m), 0.5).size == 0

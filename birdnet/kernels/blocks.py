@@ -442,6 +442,108 @@ def _systematic(p, k, u, out):
     return j
 
 
+@njit(cache=True, inline="always")
+def _tree8(p, o):
+    # the sum of p[o:o+8] in a fixed tree (vectorises across groups)
+    return ((p[o] + p[o + 1]) + (p[o + 2] + p[o + 3])) + ((p[o + 4] + p[o + 5]) + (p[o + 6] + p[o + 7]))
+
+
+@njit(cache=True, inline="always")
+def _tree8_prefix(p, o, pre):
+    # partial sums consistent with _tree8: monotone (each one adds non-negative terms to a
+    # sub-sum of the next), pre[i] == pre[i-1] exactly when p[o+i] == 0, pre[7] == _tree8(p, o)
+    s01 = p[o] + p[o + 1]
+    s03 = s01 + (p[o + 2] + p[o + 3])
+    s45 = p[o + 4] + p[o + 5]
+    pre[0] = p[o]
+    pre[1] = s01
+    pre[2] = s01 + p[o + 2]
+    pre[3] = s03
+    pre[4] = s03 + p[o + 4]
+    pre[5] = s03 + s45
+    pre[6] = s03 + (s45 + p[o + 6])
+    pre[7] = s03 + (s45 + (p[o + 6] + p[o + 7]))
+
+
+@njit("int64(float64[::1], float64, int64[::1])", cache=True)
+def _walk_grouped(p, u, out):
+    """walk() (systematic sampling, exactly round(sum p) blocks when sum p is an integer up to
+    1e-9 relative) with the cumulative sum built per group of 8: C advances by each group's
+    tree sum and inside a group C_i = C_g + (partial tree sums, _tree8_prefix), so C is
+    monotone, p = 0 never crosses and groups without a crossing are skipped. Sequential,
+    fixed order, float64: the same result on every machine and for any thread count.
+    (Loops run over chunk slices from 0 so that the group sums vectorise.)"""
+    m = p.shape[0]
+    ng = m // 8
+    gs = np.empty(ng, np.float64)
+    pre = np.empty(8, np.float64)
+    fls = np.empty(8, np.float64)
+    cg = _WCHUNK // 8  # groups per chunk
+    for g0 in range(0, ng, cg):
+        pc = p[8 * g0:8 * min(ng, g0 + cg)]
+        gc = gs[g0:min(ng, g0 + cg)]
+        for g in range(gc.shape[0]):
+            gc[g] = _tree8(pc, 8 * g)
+    total = 0.0
+    for g in range(ng):
+        total = total + gs[g]
+    for i in range(8 * ng, m):
+        total = total + p[i]
+    if not (total > 0.0):
+        return 0
+    k = math.floor(total + 0.5)
+    if not (k > 0.0 and abs(total - k) <= 1e-9 * max(1.0, k)):
+        k = total  # natural walk: floor(total) or ceil(total) blocks
+    f = k / total
+    c = 0.0
+    last = math.floor(-u)
+    j = 0
+    for g0 in range(0, ng, cg):
+        pc = p[8 * g0:8 * min(ng, g0 + cg)]
+        gc = gs[g0:min(ng, g0 + cg)]
+        for g in range(gc.shape[0]):
+            ce = c + gc[g]
+            end = 8 * (g0 + g) + 7 == m - 1
+            cs = k if end else min(ce * f, k)
+            if math.floor(cs - u) > last:
+                _tree8_prefix(pc, 8 * g, pre)
+                for i in range(8):
+                    fls[i] = math.floor(min((c + pre[i]) * f, k) - u)
+                if end:
+                    fls[7] = math.floor(k - u)
+                # floor values are monotone in i (and >= last): a branch-free scan; out has room
+                # for one unconditional store past the kept blocks
+                for i in range(8):
+                    out[j] = 8 * (g0 + g) + i
+                    j += (fls[i] > last) & (pc[8 * g + i] > 0.0)
+                    last = fls[i]
+            c = ce
+    for i in range(8 * ng, m):
+        c = c + p[i]
+        cs = k if i == m - 1 else min(c * f, k)
+        fl = math.floor(cs - u)
+        if fl > last:
+            if p[i] > 0.0:
+                out[j] = i
+                j += 1
+            last = fl
+    return j
+
+
+@njit("void(float64[::1], float64, float64, float64)", cache=True)
+def _probabilities_mix(w, a, eps, floor):
+    # in place: w becomes p = (1 - eps) * min(1, a*w) + eps * floor, the same operations as
+    # _probabilities followed by _floor_mix (bit-identical), one pass and no second array
+    for i in range(w.shape[0]):
+        wi = w[i]
+        if wi > 0.0:
+            x = a * wi if a < np.inf else 1.0
+            pi = x if x < 1.0 else 1.0
+        else:
+            pi = 0.0
+        w[i] = (1.0 - eps) * pi + eps * floor
+
+
 @njit("int64(float64[::1], uint64, int64[::1])", cache=True)
 def _bernoulli(p, seed, out):
     # BIRD stage 2: keep block i when u_i < p_i, u_i = uniform(seed, i) independent per block
@@ -569,6 +671,7 @@ def _weight_pass(a, amax, q, al, cand):
     pw = np.empty(_WCHUNK, np.float64)
     w = np.empty(_WCHUNK, np.float64)
     fr = np.zeros(_WCHUNK, np.float64)
+    fc = np.zeros(_WCHUNK, np.float64)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
     npos = 0
     ninf = 0
@@ -577,15 +680,15 @@ def _weight_pass(a, amax, q, al, cand):
         aa = a[j0:min(m, j0 + _WCHUNK)]
         nn = aa.shape[0]
         _weights_chunk(aa, amax, q, 0.0, 0, r, pw, w)
-        ncand = 0
         for i in range(nn):
             wi = w[i]
             npos += wi > 0.0
             isc = not (np.float64(aa[i]) <= al)  # above the bound, or NaN
-            ncand += isc
+            fc[i] = 1.0 if isc else 0.0
             fr[i] = 0.0 if isc else wi
         for i in range(nn, _WCHUNK):
             fr[i] = 0.0
+            fc[i] = 0.0
         for g in range(0, _WCHUNK, 8):
             s0 += fr[g]
             s1 += fr[g + 1]
@@ -595,16 +698,18 @@ def _weight_pass(a, amax, q, al, cand):
             s5 += fr[g + 5]
             s6 += fr[g + 6]
             s7 += fr[g + 7]
-        if ncand:
-            for i in range(nn):
-                if not (aa[i] <= al):
-                    if w[i] == np.inf:
-                        ninf += 1
-                    elif nc < cap:
-                        cand[nc] = w[i]
-                        nc += 1
-                    else:
-                        return 0.0, 0, 0, -1
+        # candidates are rare: visit only the groups of 8 that hold one, compact them without
+        # data-dependent branches (cand has room for the unconditional store)
+        for g in range(_WCHUNK // 8):
+            if _tree8(fc, 8 * g) > 0.0:
+                if nc + 8 > cap:
+                    return 0.0, 0, 0, -1
+                for i in range(8 * g, 8 * g + 8):
+                    isc = fc[i] > 0.0
+                    isinf = w[i] == np.inf
+                    cand[nc] = w[i]
+                    nc += isc & (not isinf)
+                    ninf += isc & isinf
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), npos, ninf, nc
 
 
@@ -619,9 +724,9 @@ def _gap(val):
 def _walk_fused(a, amax, q, scale, k, f, u, ids, pk):
     """Systematic sampling (as _systematic) over p_i = min(1, scale * w_i) computed on the fly from
     the float32 norms (w_i as _gamma_weights). The cumulative sum C advances per group of 8 blocks
-    by the group's sequential sum (one float64 add per group on the chain), a group is skipped when
-    floor(f*C - u) does not change over it, and inside a crossing group C_i = C_g + (p_g0 + ... +
-    p_i), the same partial sums, so C is monotone and a block with p = 0 never crosses. f*C_i is clamped to k and forced to k at the last block, so
+    by the group's tree sum (one float64 add per group on the chain), a group is skipped when
+    floor(f*C - u) does not change over it, and inside a crossing group C_i = C_g + the partial
+    tree sums of _tree8_prefix, so C is monotone and a block with p = 0 never crosses. f*C_i is clamped to k and forced to k at the last block, so
     at most k blocks are kept (exactly k when k is an integer and the last crossing is on a block
     with p > 0). Writes the kept ids and their p. Returns (number kept, final C, smallest distance
     of a floor decision from an integer): the caller re-walks with f = k / C when a different f
@@ -631,7 +736,9 @@ def _walk_fused(a, amax, q, scale, k, f, u, ids, pk):
     pw = np.empty(_WCHUNK, np.float64)
     w = np.empty(_WCHUNK, np.float64)
     gs = np.empty(_WCHUNK // 8, np.float64)
-    pmode = 1 if scale < np.inf else 2
+    pre = np.empty(8, np.float64)
+    fls = np.empty(8, np.float64)
+    fin = scale < np.inf
     c = 0.0
     last = math.floor(-u)
     j = 0
@@ -639,31 +746,36 @@ def _walk_fused(a, amax, q, scale, k, f, u, ids, pk):
     for j0 in range(0, m, _WCHUNK):
         aa = a[j0:min(m, j0 + _WCHUNK)]
         nn = aa.shape[0]
-        _weights_chunk(aa, amax, q, scale, pmode, r, pw, w)
+        _weights_chunk(aa, amax, q, 0.0, 0, r, pw, w)  # (a literal pmode: no branch in the loop)
+        if fin:
+            for i in range(nn):
+                t = w[i]
+                x = scale * t
+                x = x if x < 1.0 else 1.0
+                w[i] = x if t > 0.0 else 0.0
+        else:
+            for i in range(nn):
+                w[i] = 1.0 if w[i] > 0.0 else 0.0
         if j0 + nn < m:  # not the last chunk (nn == _WCHUNK): groups of 8
             for g in range(_WCHUNK // 8):
-                o = 8 * g
-                t = w[o]
-                for i in range(o + 1, o + 8):
-                    t = t + w[i]
-                gs[g] = t
+                gs[g] = _tree8(w, 8 * g)
             for g in range(_WCHUNK // 8):
                 ce = c + gs[g]
                 val = min(ce * f, k) - u
                 dmin = min(dmin, _gap(val))
                 if math.floor(val) > last:
-                    t = 0.0
-                    for i in range(8 * g, 8 * g + 8):
-                        t = t + w[i]  # the same sequential sum as gs[g]: C at the group's end is ce
-                        val = min((c + t) * f, k) - u
+                    _tree8_prefix(w, 8 * g, pre)  # pre[7] == gs[g]: C at the group's end is ce
+                    for i in range(8):
+                        val = min((c + pre[i]) * f, k) - u
                         dmin = min(dmin, _gap(val))
-                        fl = math.floor(val)
-                        if fl > last:
-                            if w[i] > 0.0:
-                                ids[j] = j0 + i
-                                pk[j] = w[i]
-                                j += 1
-                            last = fl
+                        fls[i] = math.floor(val)
+                    # floor values are monotone in i (and >= last): a branch-free scan; ids and
+                    # pk have room for one unconditional store past the kept blocks
+                    for i in range(8):
+                        ids[j] = j0 + 8 * g + i
+                        pk[j] = w[8 * g + i]
+                        j += (fls[i] > last) & (w[8 * g + i] > 0.0)
+                        last = fls[i]
                 c = ce
         else:
             for i in range(nn):
@@ -884,6 +996,20 @@ def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float
             f = kw / c
         j, _, _ = _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u), ids, pk)
     return ids[:j], pk[:j]
+
+
+def walk_grouped(p: np.ndarray, u: float) -> np.ndarray:
+    """:func:`walk` with the cumulative sum built per group of 8 (see :func:`_walk_grouped`)."""
+    _check(p, np.float64, "walk p")
+    out = np.empty(int(np.ceil(p.shape[0])) + 1, np.int64)
+    j = _walk_grouped(p, float(u), out)
+    return out[:j]
+
+
+def shared_probabilities(w: np.ndarray, k: float, eps: float, floor: float) -> np.ndarray:
+    """In place (w becomes p): p = (1 - eps) * min(1, A*w) + eps * floor with sum min(1, A*w) = k."""
+    _probabilities_mix(w, solve_scale(w, k), float(eps), float(floor))
+    return w
 
 
 def walk(p: np.ndarray, u: float) -> np.ndarray:
