@@ -488,3 +488,23 @@ def test_walk_grouped_reference(m):
         assert ids.size in (int(np.floor(q.sum())), int(np.ceil(q.sum())))
         np.testing.assert_array_equal(ids, B.walk(q, u))
     assert B.walk_grouped(np.zeros(m), 0.5).size == 0
+
+
+@pytest.mark.parametrize("n,b", [(100, 32), (70_001, 8), (1003, 7)])
+def test_gather_subtract_equals_gather_then_subtract(n, b):
+    m = -(-n // b)
+    x = data(n, 6)
+    ids = np.unique(np.random.default_rng(n).integers(0, m, max(2, m // 3)))
+    ids[-1] = m - 1  # include the partial last block
+    ids = np.unique(ids).astype(np.int64)
+    scale = np.random.default_rng(1).random(ids.size).astype(np.float32) + 0.5
+    for with_u in (False, True):
+        v1, v2 = x.copy(), x.copy()
+        u1, u2 = (np.ones(n, np.float32), np.ones(n, np.float32)) if with_u else (None, None)
+        out1 = B.gather_blocks(v1, b, ids, scale, np.empty(ids.size * b, np.float32))
+        B.subtract_sent(v1, u1, b, ids, out1)
+        out2 = B.gather_subtract(v2, u2, b, ids, scale, np.empty(ids.size * b, np.float32))
+        np.testing.assert_array_equal(out2, out1)
+        np.testing.assert_array_equal(v2, v1)
+        if with_u:
+            np.testing.assert_array_equal(u2, u1)

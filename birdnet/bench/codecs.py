@@ -4,7 +4,8 @@ For each codec and density: compress and decompress(-add) throughput in GB/s of 
 of ``--repeat``), payload bytes and the ratio against the dense float32 tensor, and the relative
 error ||C(x) - x|| / ||x|| of one round trip on one node (first round, fresh state). Baselines at the
 same density: NumPy ``argpartition`` Top-K and ``torch.topk`` (when torch is importable).
-``--threads single|all|both`` sets Numba's thread count (numba.set_num_threads).
+``--threads single|all|both`` sets Numba's thread count (numba.set_num_threads), and torch's for
+the torch.topk baseline (NumPy's argpartition is single-threaded).
 
 The input is a synthetic gradient: normal values times a per-32-block exponential magnitude.
 """
@@ -88,7 +89,7 @@ def bench_argpartition(x: np.ndarray, density: float, repeat: int) -> dict[str, 
             "compress_gbps": 4 * n / t / 1e9, "payload_bytes": 8 * k, "ratio": 4 * n / (8 * k)}
 
 
-def bench_torch(x: np.ndarray, density: float, repeat: int) -> dict[str, Any] | None:
+def bench_torch(x: np.ndarray, density: float, repeat: int, threads: int | None = None) -> dict[str, Any] | None:
     try:
         import torch
     except Exception:  # not installed, or a broken / half-installed wheel: no baseline
@@ -96,9 +97,16 @@ def bench_torch(x: np.ndarray, density: float, repeat: int) -> dict[str, Any] | 
     n = x.shape[0]
     k = max(1, int(density * n))
     tx = torch.from_numpy(x)
-    t = _best(lambda: torch.topk(tx.abs(), k, sorted=False), repeat)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)  # the same thread count as the Numba kernels
+    try:
+        t = _best(lambda: torch.topk(tx.abs(), k, sorted=False), repeat)
+    finally:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(before)
     return {"codec": "torch.topk", "density": density, "compress_s": t, "compress_gbps": 4 * n / t / 1e9,
-            "payload_bytes": 8 * k, "ratio": 4 * n / (8 * k), "torch_threads": torch.get_num_threads()}
+            "payload_bytes": 8 * k, "ratio": 4 * n / (8 * k), "torch_threads": threads}
 
 
 def _fmt(rows: list[dict[str, Any]]) -> str:
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_baselines:
                 for d in densities:
                     rows.append(bench_argpartition(x, d, max(1, args.repeat // 2)))
-                    tr = bench_torch(x, d, max(1, args.repeat // 2))
+                    tr = bench_torch(x, d, max(1, args.repeat // 2), t)
                     if tr:
                         rows.append(tr)
             for r in rows:

@@ -131,14 +131,18 @@ class BlockSamplingCodec(Codec):
         k = int(ids.shape[0])
         scale = self._scales(pk)
         vals = np.empty(k * b, np.float32)
-        B.gather_blocks(src, b, ids, scale, vals)
+        f16 = prm["value_dtype"] == "float16"
+        if st is not None and not f16:  # gather and error-feedback update in one visit per block
+            B.gather_subtract(src, st.get("u"), b, ids, scale, vals)
+        else:
+            B.gather_blocks(src, b, ids, scale, vals)
         wire = vals
-        if prm["value_dtype"] == "float16":
+        if f16:
             wire16 = vals.astype(np.float16)
             vals = wire16.astype(np.float32)  # what the receivers get (own rounding, for EF)
             wire = vals if shared else wire16
-        if st is not None:
-            B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
+            if st is not None:
+                B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
         if shared:
             # the shared selection ignores this round's data, so a NaN/Inf outside the kept blocks
             # would not reach the result: poison the summed values so it does (order-independent)

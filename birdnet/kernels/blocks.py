@@ -877,6 +877,42 @@ def _subtract_sent(v, u, b, ids, sent):
                 uu[i] = 0.0
 
 
+@njit(cache=True, inline="always")
+def _gather_sub_one(v, u, use_u, b, ids, scale, out, j):
+    # _gather_one then _subtract_sent of the same block with what was just gathered (the same
+    # float32 operations as the two kernels), touching the scattered block once
+    n = v.shape[0]
+    lo = ids[j] * b
+    hi = min(n, lo + b)
+    s = np.float32(scale[j])
+    o = out[j * b:(j + 1) * b]
+    src = v[lo:hi]
+    for i in range(src.shape[0]):
+        t = src[i] * s
+        o[i] = t
+        src[i] = src[i] - t
+    for i in range(src.shape[0], b):
+        o[i] = 0.0
+    if use_u:
+        uu = u[lo:hi]
+        for i in range(uu.shape[0]):
+            uu[i] = 0.0
+
+
+@njit(cache=True, parallel=True)
+def _gather_subtract(v, u, b, ids, scale, out):
+    use_u = u.shape[0] == v.shape[0]
+    for j in prange(ids.shape[0]):
+        _gather_sub_one(v, u, use_u, b, ids, scale, out, j)
+
+
+@njit(cache=True)
+def _gather_subtract_serial(v, u, b, ids, scale, out):
+    use_u = u.shape[0] == v.shape[0]
+    for j in range(ids.shape[0]):
+        _gather_sub_one(v, u, use_u, b, ids, scale, out, j)
+
+
 @njit(cache=True)
 def _distinct_ascending(ids, m):
     last = -1
@@ -1070,6 +1106,21 @@ def scatter_blocks(vals: np.ndarray, b: int, ids: np.ndarray, out: np.ndarray, a
             vals = vals.astype(np.float32)
         kern = _scatter_blocks if vals.shape[0] >= SERIAL_BELOW else _scatter_blocks_serial
         kern(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
+
+
+def gather_subtract(v: np.ndarray, u: np.ndarray | None, b: int, ids: np.ndarray, scale: np.ndarray,
+                    out: np.ndarray) -> np.ndarray:
+    """:func:`gather_blocks` from the error-feedback accumulator ``v`` followed by
+    :func:`subtract_sent` of the float32 values gathered (v keeps v - sent, u is cleared on the
+    sent blocks), in one visit of each kept block; bit-identical to the two calls."""
+    _check(v, np.float32, "gather_subtract v")
+    _check(out, np.float32, "gather_subtract out", ids.shape[0] * b)
+    if u is None:
+        u = np.empty(0, np.float32)
+    if ids.shape[0]:
+        kern = _gather_subtract if out.shape[0] >= SERIAL_BELOW else _gather_subtract_serial
+        kern(v, u, np.int64(b), ids, scale, out)
+    return out
 
 
 def subtract_sent(v: np.ndarray, u: np.ndarray | None, b: int, ids: np.ndarray, sent: np.ndarray) -> None:
