@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             if n in gloo:
                 g = statistics.median(gloo[n])
                 row["gloo_time_s"] = g
+                row["gloo_times"] = gloo[n]  # every measured run, for the spread
                 row["vs_gloo"] = r["time"] / g
                 row["speedup_vs_gloo"] = g / r["time"]
             rows.append(row)
