@@ -1,0 +1,56 @@
+"""Markdown tables for docs/benchmarks.md from the JSON that `birdnet bench allreduce --json` and
+`birdnet bench train --json` write: `python docs/results/tables.py ar|time|train FILE.json`."""
+import json
+import sys
+
+
+def ar(path):
+    d = json.load(open(path))
+    m = d["meta"]
+    out = [f"`{m['command']}` — {m['nodes']} nodes, {m['mode']} {m['rate'] or ''}, median of {m['runs']} runs "
+           f"after {m['warmup']} warm-up", "",
+           "| size (B) | count | codec | time (s) | algbw (GB/s) | busbw (GB/s) | wire B/node | ratio | rel. error "
+           "| Gloo (s) | speed-up vs Gloo |",
+           "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        g = f"{r['gloo_time_s']:.4f}" if "gloo_time_s" in r else "—"
+        sp = f"{r['speedup_vs_gloo']:.2f}x" if "speedup_vs_gloo" in r else "—"
+        err = f"{r['error']:.1e}" if r.get("error") is not None else "—"
+        out.append(f"| {r['size_bytes']:,} | {r['count']:,} | {r['codec']} | {r['time_s']:.4f} | {r['algbw_GBps']:.3f} "
+                   f"| {r['busbw_GBps']:.3f} | {r['wire_bytes_per_node']:,} | {r['ratio']:.1f} | {err} | {g} | {sp} |")
+    return "\n".join(out)
+
+
+def time_split(path, count=11689512):
+    d = json.load(open(path))
+    out = ["| count | codec | client time (s) | daemon round (s) | of which codec (s) | runs (s) | Gloo runs (s) |",
+           "|---:|---|---:|---:|---:|---|---|"]
+    for r in d["rows"]:
+        if r["count"] != count:
+            continue
+        runs = ", ".join(f"{t:.3f}" for t in r.get("times", []))
+        gl = ", ".join(f"{t:.3f}" for t in r.get("gloo_times", [])) or "—"
+        out.append(f"| {r['count']:,} | {r['codec']} | {r['time_s']:.4f} | {r['daemon_round_s']:.4f} "
+                   f"| {r['compress_s']:.4f} | {runs} | {gl} |")
+    return "\n".join(out)
+
+
+def train(path):
+    d = json.load(open(path))
+    m = d["meta"]
+    out = [f"`{m['command']}` — {m['nodes']} workers, {m['data']}, {m['epochs']} epochs, batch {m['batch']}/worker, "
+           f"lr {m['lr']}, momentum {m['momentum']}, seeds {m['seeds']}", "",
+           "| codec | accuracy (mean ± half-range) | per seed | final loss | MB sent/worker | wall s/run | nodes identical |",
+           "|---|---:|---|---:|---:|---:|---|"]
+    for s in d["summary"]:
+        out.append(f"| {s['codec']} | {s['acc_mean'] * 100:.2f} ± {s['acc_spread'] * 100:.2f} | "
+                   f"{', '.join(f'{a * 100:.1f}' for a in s['accs'])} | {s['loss_mean']:.3f} | "
+                   f"{s['mb_sent_per_worker']:.1f} | {s['seconds_mean']:.0f} | "
+                   f"{'yes' if s['identical_on_all_nodes'] else 'NO'} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    kind, path = sys.argv[1], sys.argv[2]
+    print({"ar": ar, "time": time_split, "train": train}[kind](path))
+
