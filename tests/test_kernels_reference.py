@@ -464,6 +464,80 @@ def test_birdplus_select_inclusion_probabilities():
     assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / trials) + 1e-3)
 
 
+def _select_cases(m, rs):
+    """Norm arrays for the grouped/fused comparisons: random, ties, zeros, NaN/Inf, huge, equal."""
+    cases = {
+        "random": (rs.exponential(1.0, m) * rs.exponential(1.0, m)).astype(np.float32),
+        "ties": rs.choice([0.0, 1.0, 2.0], m).astype(np.float32),
+        "zeros": np.where(rs.random(m) < 0.9, 0.0, rs.random(m)).astype(np.float32),
+        "a few huge": np.where(rs.random(m) < 3.0 / m, 1e30, 1e-3).astype(np.float32),
+        "NaN/Inf": np.where(rs.random(m) < 0.002, np.nan, rs.random(m)).astype(np.float32),
+        "all equal": np.ones(m, np.float32),
+        "all zero": np.zeros(m, np.float32),
+        "tiny": (rs.random(m) * 1e-30).astype(np.float32),  # weights underflow to 0 at gamma 16
+    }
+    cases["NaN/Inf"][[0, m - 1]] = np.inf
+    cases["random"][rs.random(m) < 0.05] = 0.0
+    return cases
+
+
+@pytest.mark.parametrize("m", [1, 7, 8, 9, 255, 256, 257, 263, 1000, 40_000, 100_003])
+def test_birdplus_select_grouped_equals_fused(m):
+    # _weight_pass_groups + _walk_groups (per-group weight sums) against _weight_pass + _walk_fused:
+    # the same kept blocks (exactly k, NaN/Inf kept), the same p up to float64 rounding
+    rs = np.random.default_rng(m + 17)
+    for name, a in _select_cases(m, rs).items():
+        for gamma in (16, 4, 1, 4.75):
+            for k in sorted({1, max(1, int(np.floor(0.01 * m + 0.5))), max(1, m // 5)}):
+                w = B.gamma_weights(a, gamma)
+                want = max(min(k, int((w > 0).sum())), int((~np.isfinite(a)).sum()))
+                for u in (0.2718281828459045, 0.6180339887498949):  # (no exact rational crossings)
+                    ids, pk = B.birdplus_select(a, _amax(a), gamma, k, u)
+                    fids, fpk = B.birdplus_select(a, _amax(a), gamma, k, u, grouped=False)
+                    msg = f"{name} gamma={gamma} k={k} u={u}"
+                    assert ids.size == want, msg
+                    np.testing.assert_array_equal(ids, fids, err_msg=msg)
+                    # (F in a different order: the fused pass's eight long float64 chains drift
+                    # by up to ~m/8 ulp on equal weights)
+                    np.testing.assert_allclose(pk, fpk, rtol=1e-10, err_msg=msg)
+                    assert set(np.flatnonzero(~np.isfinite(a))) <= set(ids.tolist()), msg
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 255, 257, 1000, 40_003])
+def test_weight_pass_groups_reference(m):
+    # the same candidates (in block order), NaN/Inf count and free weight up to rounding as
+    # _weight_pass; gw = the tree sums of the weights of the full groups of 8; npos the lower bound
+    # (groups of 8 with a positive weight, plus the tail's positive blocks)
+    rs = np.random.default_rng(m)
+    for name, a in _select_cases(m, rs).items():
+        for gamma in (16, 1, 4.75):
+            q = B.gamma_quarters(gamma)
+            amax = _amax(a)
+            w = B.gamma_weights(a, gamma)
+            fin = np.sort(a[np.isfinite(a)])
+            for al in {0.0, float(fin[len(fin) // 2]) if fin.size else 0.0, amax}:
+                al = min(al, amax)
+                wl = B._pow_quarters(al / amax, q) if al > 0.0 else 0.0
+                c1 = np.empty(m + 8)
+                c2 = np.empty(m + 8)
+                gw = np.full(m // 8, -1.0)
+                f1, n1, i1, k1 = B._weight_pass(a, amax, q, al, c1)
+                f2, n2, i2, k2 = B._weight_pass_groups(a, amax, q, al, wl, c2, gw)
+                msg = f"{name} gamma={gamma} al={al}"
+                assert (i1, k1) == (i2, k2), msg
+                np.testing.assert_array_equal(c1[:k1], c2[:k2], err_msg=msg)
+                assert f2 == pytest.approx(f1, rel=1e-10, abs=0.0), msg
+                g8 = 8 * (m // 8)
+                lb = int((w[:g8].reshape(-1, 8) > 0).any(axis=1).sum()) + int((w[g8:] > 0).sum())
+                assert n1 == int((w > 0).sum()) and n2 == lb <= n1, msg
+                ref = [((w[o] + w[o + 1]) + (w[o + 2] + w[o + 3])) + ((w[o + 4] + w[o + 5]) + (w[o + 6] + w[o + 7]))
+                       for o in range(0, 8 * (m // 8), 8)]
+                np.testing.assert_array_equal(gw, ref, err_msg=msg)
+                # an overflowing candidate buffer is reported
+                if k2 > 0:
+                    assert B._weight_pass_groups(a, amax, q, al, wl, np.empty(1), gw)[3] == -1, msg
+
+
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 1000, 4099])
 def test_walk_grouped_reference(m):
     rs = np.random.default_rng(m)

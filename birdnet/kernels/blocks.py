@@ -13,6 +13,7 @@ use float64. This is what the ``shared`` selection mode relies on.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import njit, prange
@@ -713,6 +714,77 @@ def _weight_pass(a, amax, q, al, cand):
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), npos, ninf, nc
 
 
+@njit(cache=True, error_model="numpy")
+def _weight_pass_groups(a, amax, q, al, wl, cand, gw):
+    """_weight_pass that also writes the tree sum of the weights of every full group of 8 blocks
+    into gw (m // 8 entries, for _walk_groups) and works per group: a group holds a candidate
+    (norm > al, or NaN) only if its sum is >= wl = the weight of al (weights are monotone in the
+    norm), so only those groups are visited block by block; the others add their sum to the free
+    weight F whole (eight float64 lanes over the groups, fixed order; F differs from
+    _weight_pass's only by the order of the float64 additions). Same returns, except that npos
+    is a lower bound (the groups with a positive weight): exact when <= the count of groups."""
+    m = a.shape[0]
+    cap = cand.shape[0]
+    r = np.empty(_WCHUNK, np.float64)
+    pw = np.empty(_WCHUNK, np.float64)
+    w = np.empty(_WCHUNK, np.float64)
+    gf = np.zeros(_WCHUNK // 8, np.float64)
+    gl = np.zeros(_WCHUNK // 8 + 1, np.int64)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    fx = 0.0  # free weight of the visited groups (sequential)
+    npos = 0
+    ninf = 0
+    nc = 0
+    for j0 in range(0, m, _WCHUNK):
+        aa = a[j0:min(m, j0 + _WCHUNK)]
+        nn = aa.shape[0]
+        _weights_chunk(aa, amax, q, 0.0, 0, r, pw, w)
+        ngc = nn // 8
+        gwc = gw[j0 // 8:j0 // 8 + ngc]
+        for g in range(ngc):
+            gwc[g] = _tree8(w, 8 * g)
+        # groups that may hold a candidate: listed branch-free; the others' sums are free weight
+        ngl = 0
+        for g in range(ngc):
+            t = gwc[g]
+            vis = t >= wl
+            npos += t > 0.0
+            gf[g] = 0.0 if vis else t
+            gl[ngl] = g
+            ngl += vis
+        for g in range(ngc, _WCHUNK // 8):
+            gf[g] = 0.0
+        for g in range(0, _WCHUNK // 8, 8):
+            s0 += gf[g]
+            s1 += gf[g + 1]
+            s2 += gf[g + 2]
+            s3 += gf[g + 3]
+            s4 += gf[g + 4]
+            s5 += gf[g + 5]
+            s6 += gf[g + 6]
+            s7 += gf[g + 7]
+        if ngc < _WCHUNK // 8 and 8 * ngc < nn:  # the last 1..7 blocks: visited
+            gl[ngl] = ngc
+            ngl += 1
+            for i in range(8 * ngc, nn):
+                npos += w[i] > 0.0
+        if nc + 8 * ngl > cap:
+            return 0.0, 0, 0, -1
+        # visited groups: compact their candidates without data-dependent branches (cand has
+        # room for the unconditional store), the other blocks' weights are free weight
+        for t in range(ngl):
+            g = gl[t]
+            for i in range(8 * g, min(nn, 8 * g + 8)):
+                isc = not (np.float64(aa[i]) <= al)  # above the bound, or NaN
+                wi = w[i]
+                isinf = wi == np.inf
+                cand[nc] = wi
+                nc += isc & (not isinf)
+                ninf += isc & isinf
+                fx += 0.0 if isc else wi
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + fx, npos, ninf, nc
+
+
 @njit(cache=True, inline="always")
 def _gap(val):
     # distance of val to the nearest integer (how far a floor decision is from flipping)
@@ -793,6 +865,107 @@ def _walk_fused(a, amax, q, scale, k, f, u, ids, pk):
                         pk[j] = p
                         j += 1
                     last = fl
+    return j, c, dmin
+
+
+@njit(cache=True, inline="always")
+def _group_p(a, amax, q, scale, o, r, pw, w):
+    # p = min(1, scale * w) of the 8 blocks from o, exactly as _walk_fused computes them (scale finite)
+    if q == 64:  # the default gamma 16 without the generic chunk code (same operations)
+        for i in range(8):
+            ad = np.float64(a[o + i])
+            t = ad / amax
+            t = t * t
+            t = t * t
+            t = t * t
+            t = t * t
+            w[i] = _finish(ad, t, 0.0, 0)
+    else:
+        _weights_chunk(a[o:o + 8], amax, q, 0.0, 0, r, pw, w)
+    for i in range(8):
+        t = w[i]
+        x = scale * t
+        x = x if x < 1.0 else 1.0
+        w[i] = x if t > 0.0 else 0.0
+
+
+@njit(cache=True, error_model="numpy")
+def _walk_groups(a, amax, q, scale, k, f, u, gw, ids, pk):
+    """_walk_fused (finite scale) without recomputing every weight: the cumulative sum C advances
+    per group of 8 by scale * gw[g] (gw: the groups' weight sums from _weight_pass_groups; when it is
+    < 1 no block of the group is capped, so it is the group's sum of p up to rounding). Only a
+    group whose approximate sum is >= 1 (a capped or NaN/Inf block) or whose end crosses an
+    integer has its 8 p computed exactly; then C advances by their exact tree sum (_tree8_prefix,
+    pre[7]) instead and the crossing is located inside the group as in _walk_fused. C stays
+    monotone, ``last`` is always floor(f*C - u) of the C walked, and a block with p = 0 never
+    crosses, so the count of kept blocks is that of _walk_fused. The last 1..8 blocks are walked
+    one by one (the last forced to k). Same returns as _walk_fused."""
+    m = a.shape[0]
+    r = np.empty(8, np.float64)
+    pw = np.empty(8, np.float64)
+    w = np.empty(8, np.float64)
+    pre = np.empty(8, np.float64)
+    fls = np.empty(8, np.float64)
+    ngw = (m - 1) // 8  # groups walked as groups; the rest one by one
+    c = 0.0
+    last = np.floor(-u)
+    j = 0
+    dmin = np.inf
+    g = 0
+    while g < ngw:
+        # the common case in a tight loop: groups without a capped block and without a crossing
+        while g < ngw:
+            s = scale * gw[g]
+            ce = c + s
+            val = min(ce * f, k) - u
+            fl = np.floor(val)
+            if not (s < 1.0) or fl > last:
+                break
+            d = min(val - fl, fl + 1.0 - val)
+            dmin = d if d < dmin else dmin
+            c = ce
+            g += 1
+        if g == ngw:
+            break
+        # group g: its 8 p exactly, C advances by their tree sum
+        _group_p(a, amax, q, scale, 8 * g, r, pw, w)
+        _tree8_prefix(w, 0, pre)  # pre[7] == _tree8(w, 0)
+        for i in range(8):
+            val = min((c + pre[i]) * f, k) - u
+            fl = np.floor(val)
+            d = min(val - fl, fl + 1.0 - val)
+            dmin = d if d < dmin else dmin
+            fls[i] = fl
+        # floor values are monotone in i (and >= last): a branch-free scan; ids and pk have
+        # room for one unconditional store past the kept blocks
+        for i in range(8):
+            ids[j] = 8 * g + i
+            pk[j] = w[i]
+            j += (fls[i] > last) & (w[i] > 0.0)
+            last = fls[i]
+        c = c + pre[7]
+        g += 1
+    j0 = 8 * ngw
+    nn = m - j0
+    _weights_chunk(a[j0:m], amax, q, 0.0, 0, r, pw, w)
+    for i in range(nn):
+        t = w[i]
+        x = scale * t
+        x = x if x < 1.0 else 1.0
+        p = x if t > 0.0 else 0.0
+        c = c + p
+        if j0 + i == m - 1:
+            val = k - u  # forced: does not depend on f
+        else:
+            val = min(c * f, k) - u
+            dmin = min(dmin, _gap(val))
+        fl = math.floor(val)
+        if fl > last:
+            if p > 0.0:
+                ids[j] = j0 + i
+                pk[j] = p
+                j += 1
+            last = fl
     return j, c, dmin
 
 
@@ -970,14 +1143,19 @@ def probabilities(w: np.ndarray, k: float) -> np.ndarray:
 
 
 def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float,
-                    bound: float | None = None, capacity: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    bound: float | None = None, capacity: int | None = None,
+                    grouped: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """BIRD+ selection from float32 block norms ``a`` (``amax`` = their largest finite value, as
     returned by :func:`norms_max`): p_i = min(1, A*w_i) with w = gamma_weights(a, gamma) and
     sum p = k, then systematic sampling with ``u``. Returns (kept ids int64 ascending, their p
     float64). Same result as probabilities() + systematic walk up to the order of float64 sums,
     without materialising w or p: one pass over the norms for the candidates and the free weight,
-    the water filling on the candidates, one fused pass for the walk. ``bound`` / ``capacity``
-    override the sampled candidate bound and the candidate buffer size (tests: force the fallback)."""
+    the water filling on the candidates, one walk over the per-group weight sums (weights
+    recomputed only in the groups with a crossing or a capped block). ``bound`` / ``capacity``
+    override the sampled candidate bound and the candidate buffer size (tests: force the fallback);
+    ``grouped=False`` runs :func:`_weight_pass` and :func:`_walk_fused` (every weight computed
+    again in the walk) instead of :func:`_weight_pass_groups` and :func:`_walk_groups` (tests:
+    the reference; the same selection up to float64 rounding)."""
     _check(a, np.float32, "birdplus_select a")
     m = a.shape[0]
     q = gamma_quarters(gamma)
@@ -994,11 +1172,18 @@ def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float
     if capacity is not None:
         cap = int(capacity)
     cand = np.empty(cap, np.float64)
-    free, npos, ninf, nc = _weight_pass(a, np.float64(amax), np.int64(q), np.float64(al), cand)
+    wl = float(_pow_quarters(al / amax, np.int64(q))) if al > 0.0 else 0.0
+    if grouped:
+        gw = _scratch(m // 8)
+        free, npos, ninf, nc = _weight_pass_groups(a, np.float64(amax), np.int64(q), np.float64(al),
+                                                   np.float64(wl), cand, gw)
+        if npos <= k:  # a lower bound: only k >= npos matters, so count exactly only then
+            npos = int(np.count_nonzero(gamma_weights(a, gamma) > 0.0))
+    else:
+        free, npos, ninf, nc = _weight_pass(a, np.float64(amax), np.int64(q), np.float64(al), cand)
     scale = np.nan
     if nc >= 0:
         scale, total = _water_fill(cand, np.int64(nc), free, np.int64(ninf), np.int64(npos), k)
-        wl = float(_pow_quarters(al / amax, np.int64(q))) if al > 0.0 else 0.0
         if scale < np.inf and not (scale * wl < 1.0):
             scale = np.nan
     if np.isnan(scale):  # the bound did not hold: full-pass solve on materialised weights
@@ -1019,7 +1204,13 @@ def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float
     ids = np.empty(nmax, np.int64)
     pk = np.empty(nmax, np.float64)
     args = (a, np.float64(amax), np.int64(q), np.float64(scale))
-    j, c, dmin = _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u), ids, pk)
+    if grouped and scale < np.inf:  # per-group weight sums from the weight pass
+        walker = lambda kw, f: _walk_groups(*args, np.float64(kw), np.float64(f), np.float64(u),  # noqa: E731
+                                            gw, ids, pk)
+    else:
+        walker = lambda kw, f: _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u),  # noqa: E731
+                                           ids, pk)
+    j, c, dmin = walker(kw, f)
     # f came from the analytic sum of p, not from the walk's own sum c: if rescaling by kw / c
     # instead could move a decision (the smallest distance of one from an integer is within the
     # difference, plus rounding), walk again with the walk's own sum (as _systematic does).
@@ -1030,8 +1221,20 @@ def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float
             kw = c
         else:
             f = kw / c
-        j, _, _ = _walk_fused(*args, np.float64(kw), np.float64(f), np.float64(u), ids, pk)
+        j, _, _ = walker(kw, f)
     return ids[:j], pk[:j]
+
+
+_tls = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    # a per-thread float64 buffer reused across calls (birdplus_select's group sums): a fresh
+    # 1.5 MB array per compression costs page faults on every call
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.shape[0] < n:
+        buf = _tls.buf = np.empty(max(n, 1), np.float64)
+    return buf[:n]
 
 
 def walk_grouped(p: np.ndarray, u: float) -> np.ndarray:
