@@ -35,7 +35,14 @@ from typing import Any
 
 import zmq
 from birdnet.daemon.engine import MAX_BATCH, LocalRound, RingWorker
-from birdnet.daemon.peers import PeerNet, RoundAborted, RoundTransport, frames_nbytes, send_frames
+from birdnet.daemon.peers import (
+    PeerNet,
+    RoundAborted,
+    RoundTransport,
+    frames_nbytes,
+    reconnect_ivl_max,
+    send_frames,
+)
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.errors import (
@@ -78,9 +85,7 @@ class ElasticPeerNet(PeerNet):
                 curve.configure_client(d, p)
             d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
             d.setsockopt(zmq.RECONNECT_IVL, 100)
-            # back-off capped at one heartbeat: a neighbour restarted quickly is reconnected before
-            # its absence can add up to peer_timeout (a one-sided "lost" right after it is back)
-            d.setsockopt(zmq.RECONNECT_IVL_MAX, max(100, min(1000, int(settings.heartbeat_interval * 1000))))
+            d.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max(settings))
             d.connect(p.endpoint())
             self.poller.register(d, zmq.POLLIN)
             self.dealers[p.rank] = d
@@ -161,11 +166,12 @@ class ElasticPeerNet(PeerNet):
         to = self.right.rank if to is None else to
         frames = wire.encode(header, buffers)
         try:
-            tracker = send_frames(self.dealers[to], frames, track)
+            nbytes = frames_nbytes(frames)
+            tracker = send_frames(self.dealers[to], frames, track, nbytes)
         except zmq.Again:
             raise PeerLostError(f"cannot send to rank {to} ({self.peers[to].address}): not connected"
                                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
-        self.bytes_sent += frames_nbytes(frames)
+        self.bytes_sent += nbytes
         return tracker
 
     def _send_ping(self) -> None:

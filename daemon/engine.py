@@ -425,10 +425,9 @@ class RingWorker(threading.Thread):
             if lost:
                 for key in list(self.order):
                     rnd = self.ready[key]
-                    if time.monotonic() - rnd.ready_at >= 0 or True:
-                        self._fail_alone(rnd, PeerLostError(
-                            f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
-                            f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
+                    self._fail_alone(rnd, PeerLostError(
+                        f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
+                        f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
             if self.rank == 0 and self.order and not lost:
                 rnd = self.ready[self.order[0]]
                 try:

@@ -133,7 +133,8 @@ def test_accumulate_norms_reference(momentum):
     x, u0, v0 = data(n, 1), data(n, 2), data(n, 3)
     u, v = u0.copy(), v0.copy()
     out = np.empty(-(-n // b), np.float32)
-    B.accumulate_norms(x, u if momentum else None, v, momentum, b, out)
+    amax = B.norms_max(x, u if momentum else None, v, momentum, b, out, error_feedback=True)
+    assert amax == out.max()
     if momentum:
         ru = np.float32(momentum) * u0 + x
         rv = v0 + ru

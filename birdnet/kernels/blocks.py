@@ -177,13 +177,6 @@ def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
     return out
 
 
-def accumulate_norms(x: np.ndarray, u: np.ndarray | None, v: np.ndarray, momentum: float, b: int,
-                     out: np.ndarray) -> np.ndarray:
-    """In place: ``u = momentum*u + x; v += u`` (or ``v += x`` when u is None); out = block L1 of v."""
-    norms_max(x, u, v, momentum, b, out, error_feedback=True)
-    return out
-
-
 def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentum: float, b: int,
               out: np.ndarray, error_feedback: bool) -> float:
     """One pass over memory: block L1 norms into ``out`` (of ``x``, or of ``v`` after the error
