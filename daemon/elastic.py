@@ -185,31 +185,10 @@ class ElasticPeerNet(PeerNet):
                 pass
 
     # -- receiving -------------------------------------------------------------------------------
-    def poll(self, timeout: float) -> dict | None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self.maybe_ping()
-            remaining = deadline - time.monotonic()
-            events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
-            if self.dealer_monitor in events or self.router_monitor in events:
-                self._drain_monitors()
-            for r, d in self.dealers.items():
-                if d in events:
-                    self._drain_dealer_of(r, d)
-            if self.wake is not None and self.wake in events:
-                while True:
-                    try:
-                        self.wake.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                if self.router not in events:
-                    return None
-            if self.router in events:
-                msg = self._recv_router()
-                if msg is not None:
-                    return msg
-            if time.monotonic() >= deadline:
-                return None
+    def _drain_replies(self, events: dict) -> None:
+        for r, d in self.dealers.items():
+            if d in events:
+                self._drain_dealer_of(r, d)
 
     def _drain_dealer_of(self, r: int, d: zmq.Socket) -> None:
         while True:
@@ -265,17 +244,21 @@ class ElasticPeerNet(PeerNet):
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
             return None
+        if t not in ("start", "go", "abort", "data"):
+            self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
+            return None
         r = self.identities.get(identity)
         if r is None:
-            self._drop(f"{t!r} message from {identity[:40]!r}, which is not an accepted peer")
+            if identity in self._replaced:
+                self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of a peer")
+            else:  # a peer's queue that reached us before its first ping (PeerNet._hold)
+                self._hold(identity, frames[1], {"h": header, "b": bufs},
+                           len(frames[1].bytes) + sum(b.nbytes for b in bufs))
             return None
         self.seen[r] = time.monotonic()
         if r == self.left.rank:
             self.left_seen = self.seen[r]
-        if t in ("start", "go", "abort", "data"):
-            return {"h": header, "b": bufs, "from": r}
-        self._drop(f"unknown message type {t!r} from rank {r}")
-        return None
+        return {"h": header, "b": bufs, "from": r}
 
     def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
         reason = None
@@ -304,9 +287,11 @@ class ElasticPeerNet(PeerNet):
             old = self.identity_of.get(r)
             if old is not None:
                 self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
+                self._replaced.append(old)
             log.info("rank %d (%s) connected (incarnation %s)", r, self.peers[r].address, h.get("inc"))
             self.identity_of[r] = identity
             self.identities[identity] = r
+            self._release_held(identity, who, {"from": r})
         self.seen[r] = time.monotonic()
         self._note_info(r, h)
         if r == self.left.rank:

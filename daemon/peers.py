@@ -13,8 +13,8 @@ type        direction       meaning
 ``ping``    left -> right   heartbeat *and* handshake: protocol, cluster-wide settings, world, rank,
                             incarnation, and the ranks the sender believes lost. Sent every
                             ``heartbeat_interval``. The receiver checks it and answers ``pong`` or
-                            ``refuse``; data from a DEALER identity that has not passed the check
-                            is dropped.
+                            ``refuse``; messages from a DEALER identity that has not passed the
+                            check are held until it does (PeerNet._hold).
 ``pong``    right -> left   the ping was accepted.
 ``refuse``  right -> left   the ping was refused; ``reason`` says what differs.
 ``start``   left -> right   a round: the leader (rank 0) sends it, every node appends its round
@@ -35,6 +35,7 @@ import logging
 import os
 import socket as pysocket
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,6 +51,9 @@ log = logging.getLogger("birdnet.peers")
 
 #: messages up to this many bytes are copied into ZeroMQ instead of sent zero-copy (see send)
 COPY_BELOW = 1 << 20
+#: bounds on messages held from a connection whose first ping has not arrived yet (PeerNet._hold)
+HELD_MAX_MESSAGES = 64
+HELD_MAX_BYTES = 16 << 20
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
@@ -111,6 +115,13 @@ class PeerNet:
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
         self.dropped = 0
+        #: identity -> [(arrival, CURVE user, message, bytes)] from connections not yet accepted (_hold)
+        self._held: dict[bytes, list[tuple[float, str | None, dict, int]]] = {}
+        self._held_bytes = 0
+        #: held messages released by their connection's first ping; poll() returns these first
+        self._ready: deque[dict] = deque()
+        #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
+        self._replaced: deque[bytes] = deque(maxlen=16)
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         self.router = ctx.socket(zmq.ROUTER)
         self.dealer = ctx.socket(zmq.DEALER)
@@ -276,12 +287,13 @@ class PeerNet:
         deadline = time.monotonic() + timeout
         while True:
             self.maybe_ping()
+            if self._ready:
+                return self._ready.popleft()
             remaining = deadline - time.monotonic()
             events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
             if self.dealer_monitor in events or self.router_monitor in events:
                 self._drain_monitors()
-            if self.dealer in events:
-                self._drain_dealer()
+            self._drain_replies(events)
             if self.wake is not None and self.wake in events:
                 while True:
                     try:
@@ -294,8 +306,15 @@ class PeerNet:
                 msg = self._recv_router()
                 if msg is not None:
                     return msg
+                if self._ready:
+                    return self._ready.popleft()
             if time.monotonic() >= deadline:
                 return None
+
+    def _drain_replies(self, events: dict) -> None:
+        """Pongs and refusals on the DEALER side."""
+        if self.dealer in events:
+            self._drain_dealer()
 
     def _drain_dealer(self) -> None:
         while True:
@@ -340,14 +359,59 @@ class PeerNet:
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
             return None
+        if t not in ("start", "go", "abort", "data"):
+            self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
+            return None
         if identity != self.left_identity:
-            self._drop(f"{t!r} message from {identity[:40]!r}, which is not the accepted left neighbour")
+            if identity in self._replaced:
+                self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of the left neighbour")
+            else:
+                self._hold(identity, frames[1], {"h": header, "b": bufs},
+                           len(frames[1].bytes) + sum(b.nbytes for b in bufs))
             return None
         self.left_seen = time.monotonic()
-        if t in ("start", "go", "abort", "data"):
-            return {"h": header, "b": bufs}
-        self._drop(f"unknown message type {t!r} from the left neighbour")
-        return None
+        return {"h": header, "b": bufs}
+
+    def _hold(self, identity: bytes, frame: Any, msg: dict, nbytes: int) -> None:
+        """Keep a message from a connection that has not been accepted yet, until its first ping.
+
+        A neighbour's DEALER keeps its queue across a reconnection: a message it queued while we
+        were restarting (a round's ``start``, say) reaches us before the ping it sends at its next
+        heartbeat. Dropping it would leave the round waiting round_timeout for a start that never
+        comes round (the restart hang of tests/test_faults.py). So it is held, bounded in count
+        and bytes, and delivered in order once that connection's ping passes the checks
+        (:meth:`_release_held`); a connection that never passes them has its messages dropped
+        after peer_timeout."""
+        now = time.monotonic()
+        for ident, held in list(self._held.items()):
+            # arrival order: the expired ones are a prefix
+            stale = sum(1 for m in held if now - m[0] > self.settings.peer_timeout)
+            if stale:
+                self._held_bytes -= sum(m[3] for m in held[:stale])
+                self._drop(f"{stale} message(s) from {ident[:40]!r}, which never passed a ping check")
+                if stale == len(held):
+                    del self._held[ident]
+                else:
+                    self._held[ident] = held[stale:]
+        count = sum(len(v) for v in self._held.values())
+        if count >= HELD_MAX_MESSAGES or self._held_bytes + nbytes > HELD_MAX_BYTES:
+            self._drop(f"{msg['h'].get('t')!r} message from {identity[:40]!r}, which is not an accepted peer "
+                       f"(and {count} messages, {self._held_bytes} bytes from such connections are held already)")
+            return
+        who = self._peer_of_connection(frame) if self.curve is not None else None
+        self._held.setdefault(identity, []).append((now, who, msg, nbytes))
+        self._held_bytes += nbytes
+
+    def _release_held(self, identity: bytes, who: str | None, tag: dict[str, Any]) -> None:
+        """The connection ``identity`` passed its ping check: what it sent before is delivered now,
+        in order, with ``tag`` added (with CURVE, only what came over a connection with the same key)."""
+        for _t, held_who, msg, nbytes in self._held.pop(identity, ()):
+            self._held_bytes -= nbytes
+            if self.curve is not None and held_who != who:
+                self._drop(f"a held message from {identity[:40]!r} that came with another CURVE key")
+                continue
+            msg.update(tag)
+            self._ready.append(msg)
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -398,7 +462,10 @@ class PeerNet:
         if identity != self.left_identity:
             log.info("left neighbour rank %d (%s) connected (incarnation %s)", expected, self.left.address,
                      h.get("inc"))
+            if self.left_identity is not None:
+                self._replaced.append(self.left_identity)
             self.left_identity = identity
+            self._release_held(identity, who, {})
         self.left_seen = time.monotonic()
         lost = h.get("lost")
         self.left_reports = {x for x in lost if isinstance(x, int) and 0 <= x < self.world} if isinstance(lost, list) else set()
