@@ -352,8 +352,7 @@ class RingWorker(threading.Thread):
         if key in self.ready:
             from birdnet.daemon.peers import RoundAborted
             self._finish(self.ready[key], RoundAborted(reason))
-        if (self.rank + 1) % self.world != origin:
-            self._abort(key, reason, origin=origin)
+        self._abort(key, reason, origin=origin)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
         self.ready.pop(rnd.key, None)
@@ -469,14 +468,16 @@ class RingWorker(threading.Thread):
                     f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
                     "node did not submit it"))
 
-    def _wait_message(self, want: str, key: str, deadline: float) -> dict:
-        """Wait for a control message ``want`` of round ``key`` from the left neighbour."""
+    def _wait_message(self, want: str, key: str, deadline: float, since: int) -> dict:
+        """Wait for a control message ``want`` of round ``key`` from the left neighbour; ``since``
+        is net.neighbour_restarts when the round's agreement began here."""
         net = self.net
         while True:
             self._take_inbox()
             lost = net.lost()
             if lost:
                 raise PeerLostError(f"lost peer {net.describe_lost(lost)} while round {key} was starting")
+            self._check_restarts(key, since)
             if self.stopping:
                 raise ShutdownError("the daemon is shutting down")
             if time.monotonic() > deadline:
@@ -487,8 +488,8 @@ class RingWorker(threading.Thread):
                 continue
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") == key:
-                from birdnet.daemon.peers import RoundAborted
-                raise RoundAborted(str(h.get("reason")))
+                from birdnet.daemon.peers import RoundAborted, origin_of
+                raise RoundAborted(str(h.get("reason")), origin_of(h))
             if h.get("t") == want and h.get("k") == key:
                 return h
             if h.get("t") == "abort" and "o" in h:
@@ -500,10 +501,31 @@ class RingWorker(threading.Thread):
             # anything else is stale (an earlier, failed round)
 
     def _abort(self, key: str, reason: str, origin: int | None = None) -> None:
+        """Tell the ring round ``key`` failed. Every abort names its origin (default: this node) and
+        travels until it is next to it, through nodes that are not (or no longer) in the round too,
+        so a node that has not reached the round yet learns of it (RingWorker.failed_alone)."""
+        origin = self.rank if origin is None else origin
+        if (self.rank + 1) % self.world == origin:
+            return
         try:
-            self.net.send({"t": "abort", "k": key, "reason": reason, **({"o": origin} if origin is not None else {})})
+            self.net.send({"t": "abort", "k": key, "reason": reason, "o": origin})
         except Exception:  # noqa: BLE001
             pass
+
+    def _report(self, key: str, exc: BaseException) -> None:
+        """Abort round ``key`` after it failed here with ``exc``: pass on an abort that came from
+        upstream (keeping its origin and reason), else start one."""
+        from birdnet.daemon.peers import RoundAborted
+        if isinstance(exc, RoundAborted) and exc.origin is not None:
+            if exc.origin != self.rank:
+                self._remember_failed(key, "PeerLostError", exc.reason)
+                self._abort(key, exc.reason, origin=exc.origin)
+        else:
+            self._abort(key, f"rank {self.rank}: {exc}")
+
+    def _check_restarts(self, key: str, since: int) -> None:
+        if self.net.neighbour_restarts != since:
+            raise PeerLostError(f"round {key} cannot complete: neighbour {self.net.last_restart} during it")
 
     def _lead(self, rnd: LocalRound) -> None:
         """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
@@ -512,11 +534,12 @@ class RingWorker(threading.Thread):
         from birdnet.daemon.peers import RoundTransport
         key = rnd.key
         deadline = rnd.ready_at + self.settings.round_timeout
+        since = self.net.neighbour_restarts
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         try:
             self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]],
                            "more": [[k, [[0, self._own_desc(self.ready[k])]]] for k in extras]})
-            h = self._wait_message("start", key, deadline)
+            h = self._wait_message("start", key, deadline, since)
             verdicts = [self._verdict(key, self._check_descs(h.get("descs"), key))]
             more = h.get("more") if isinstance(h.get("more"), list) else []
             for item in more:
@@ -529,10 +552,10 @@ class RingWorker(threading.Thread):
             self.net.send({"t": "go", "k": key, "ok": v0[1], "err": v0[2], "errc": v0[3], "counts": v0[4],
                            "more": [list(v) for v in verdicts[1:]]})
         except BirdnetError as exc:
-            self._abort(key, f"rank 0: {exc}")
+            self._report(key, exc)
             self._finish(rnd, exc)
             return
-        self._run_batch(verdicts, RoundTransport)
+        self._run_batch(verdicts, RoundTransport, since)
 
     def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> list[Any]:
         """[key, ok, error message, error class, counts] for one round of a start."""
@@ -543,7 +566,7 @@ class RingWorker(threading.Thread):
             raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
         return [key, problem is None, problem, error_class(descs), counts]
 
-    def _run_batch(self, verdicts: list[list[Any]], transport_cls) -> None:
+    def _run_batch(self, verdicts: list[list[Any]], transport_cls, since: int) -> None:
         """Run the agreed rounds in order. Once one fails in its data phase the rest of the batch
         is failed here and aborted downstream, so no node waits for data that will not come."""
         self.agreements += 1
@@ -559,7 +582,7 @@ class RingWorker(threading.Thread):
                 self._finish(rnd, from_wire({"error": type(failed).__name__,
                                              "message": f"an earlier round of the same batch failed: {failed}"}))
             else:
-                failed = self._data_phase(rnd, transport_cls(self.net, key), [int(c) for c in counts])
+                failed = self._data_phase(rnd, transport_cls(self.net, key, since), [int(c) for c in counts])
 
     def _check_descs(self, descs: Any, key: str) -> list[tuple[int, dict[str, Any]]]:
         from birdnet.errors import ProtocolError
@@ -576,6 +599,7 @@ class RingWorker(threading.Thread):
         if not isinstance(key, str) or not isinstance(descs, list):
             return
         deadline = time.monotonic() + self.settings.round_timeout
+        since = self.net.neighbour_restarts
         # Wait until this node's processes have submitted the round the leader chose. The inbox is
         # read before every wait: the service thread's wake-up may already have been consumed by
         # the poll that delivered this start, and waiting on it again would add a whole poll period.
@@ -591,8 +615,12 @@ class RingWorker(threading.Thread):
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 return
             lost = self.net.lost()
+            why = None
             if lost:
                 why = f"lost peer {self.net.describe_lost(lost)} while round {key} was starting"
+            elif self.net.neighbour_restarts != since:
+                why = f"round {key} cannot complete: neighbour {self.net.last_restart} while it was starting"
+            if why is not None:
                 self._remember_failed(key, "PeerLostError", why)
                 self._abort(key, why)
                 return
@@ -601,7 +629,7 @@ class RingWorker(threading.Thread):
                 # this node failed the round already (alone, before any verdict): fail it everywhere
                 descs.append([self.rank, {"error": t[1], "error_class": t[0]}])
                 self.net.send({"t": "start", "k": key, "descs": descs})
-                self._pass_go(key)
+                self._pass_go(key, since)
                 return
             job, _, seq_s = key.rpartition("/")
             gone = self.departed.get(job)
@@ -610,11 +638,12 @@ class RingWorker(threading.Thread):
                 descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
                                           "error_class": "ProcessLostError"}])
                 self.net.send({"t": "start", "k": key, "descs": descs})
-                self._pass_go(key)
+                self._pass_go(key, since)
                 return
             msg = self.net.poll(0.02)
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
-                self._abort(key, str(msg["h"].get("reason")))
+                # remembered, so the round fails at once when this node's processes submit it
+                self._on_lone_abort(msg["h"])
                 return
             if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("k") != key:
                 # the leader moved on (it abandoned this round): follow the newer one
@@ -631,9 +660,10 @@ class RingWorker(threading.Thread):
             kept.append([item[0], item[1] + [[self.rank, self._own_desc(self.ready[item[0]])]]])
         self.net.send({"t": "start", "k": key, "descs": descs, "more": kept})
         try:
-            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout)
+            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout,
+                                   since)
         except BirdnetError as exc:
-            self._abort(key, f"rank {self.rank}: {exc}")
+            self._report(key, exc)
             self._finish(rnd, exc)
             return
         if self.rank != self.world - 1:
@@ -652,12 +682,12 @@ class RingWorker(threading.Thread):
                     or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
                 v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
                 v[4] = [0] * self.world
-        self._run_batch(verdicts, RoundTransport)
+        self._run_batch(verdicts, RoundTransport, since)
 
-    def _pass_go(self, key: str) -> None:
+    def _pass_go(self, key: str, since: int) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""
         try:
-            g = self._wait_message("go", key, time.monotonic() + self.settings.peer_timeout * 2)
+            g = self._wait_message("go", key, time.monotonic() + self.settings.peer_timeout * 2, since)
         except BirdnetError:
             return
         if self.rank != self.world - 1:
@@ -670,7 +700,7 @@ class RingWorker(threading.Thread):
         try:
             self.runner.run(rnd, transport, self.rank, self.world, counts)
         except BirdnetError as exc:
-            self._abort(rnd.key, f"rank {self.rank}: {exc}")
+            self._report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
             self._finish(rnd, exc)

@@ -83,7 +83,17 @@ def send_frames(sock: zmq.Socket, frames: list[Any], track: bool, nbytes: int):
 
 class RoundAborted(PeerLostError):
     """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
-    fails on this node too; the next round starts normally."""
+    fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
+    first) until it is back next to its origin; the next round starts normally."""
+
+    def __init__(self, reason: str, origin: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.origin = reason, origin
+
+
+def origin_of(abort: dict[str, Any]) -> int | None:
+    o = abort.get("o")
+    return o if isinstance(o, int) and not isinstance(o, bool) else None
 
 
 def _resolve(host: str) -> str:
@@ -111,6 +121,14 @@ class PeerNet:
         self.left_seen = 0.0  # monotonic time of the last message from the left neighbour
         self.right_seen = 0.0  # last pong from the right neighbour
         self.refused_by_right: str | None = None
+        #: bumped when the left neighbour comes back as a new incarnation (a restarted daemon): a
+        #: round in flight here then cannot complete (the new instance knows nothing of it), see
+        #: RingWorker._check_restarts. Its first ping is a precise cut: what it sends before that
+        #: ping is held (_hold), what the old instance sent after it is dropped (_replaced). The
+        #: right-hand side would learn later (after its reconnection and a pong), so only this side
+        #: looks; its abort reaches every node.
+        self.neighbour_restarts = 0
+        self.last_restart = ""
         self.own_lost: set[int] = set()
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
@@ -464,6 +482,8 @@ class PeerNet:
                      h.get("inc"))
             if self.left_identity is not None:
                 self._replaced.append(self.left_identity)
+                self.neighbour_restarts += 1
+                self.last_restart = f"rank {expected} ({self.left.address}) restarted (incarnation {h.get('inc')})"
             self.left_identity = identity
             self._release_held(identity, who, {})
         self.left_seen = time.monotonic()
@@ -476,8 +496,10 @@ class RoundTransport:
     """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
     messages with the round key, drops stale ones, notices aborts and lost peers."""
 
-    def __init__(self, net: PeerNet, key: str) -> None:
+    def __init__(self, net: PeerNet, key: str, restarts_at: int | None = None) -> None:
         self.net, self.key = net, key
+        #: net.neighbour_restarts when the round's agreement began: a change fails the round
+        self.restarts_at = net.neighbour_restarts if restarts_at is None else restarts_at
         self.rank, self.world = net.rank, net.world
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -520,6 +542,8 @@ class RoundTransport:
             lost = self.net.lost()
             if lost:
                 raise PeerLostError(f"lost peer {self.net.describe_lost(lost)} during round {self.key}")
+            if self.net.neighbour_restarts != self.restarts_at:
+                raise PeerLostError(f"round {self.key} cannot complete: neighbour {self.net.last_restart} during it")
             now = time.monotonic()
             if now >= deadline:
                 raise PeerLostError(
@@ -531,7 +555,7 @@ class RoundTransport:
                 continue
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") in (self.key, None):
-                raise RoundAborted(str(h.get("reason")))
+                raise RoundAborted(str(h.get("reason")), origin_of(h))
             if h.get("t") == "abort" and "o" in h and self.on_lone_abort is not None:
                 self.on_lone_abort(h)
                 continue

@@ -76,6 +76,7 @@ class _NetStandIn:
 
     def __init__(self, worker_ref, go):
         self.rank, self.world, self.stopping = 1, 2, False
+        self.neighbour_restarts = 0
         self.bytes_sent = self.bytes_received = 0
         self.worker_ref, self.go = worker_ref, go
         self.sent, self.polls_while_queued = [], 0

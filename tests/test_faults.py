@@ -169,6 +169,37 @@ def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, driver
         assert res[1]["same"]  # a buffer() array of the old daemon still gets its result in place
 
 
+# A daemon killed in a round and back before anyone counts it lost (systemd restarts it in well
+# under peer_timeout): its new instance knows nothing of the round. Its neighbours see the new
+# incarnation (in its first ping, or in its pongs) and fail the round, and the abort travels round
+# the ring, so every call fails at once instead of waiting round_timeout (600 s) for an agreement
+# or data that cannot come. Node `late`'s process is 2 s late, so the round is mid-agreement.
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("killed,late", [(0, 2), (1, 2), (2, 1)], ids=["leader", "middle", "last"])
+def test_daemon_restarted_mid_round_before_it_counts_as_lost(tmp_path, drivers, killed, late):
+    with LocalCluster(3, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        assert [r.get("ok") for r in together(d, "round 1000")] == [6.0] * 3
+        for i, x in enumerate(d):
+            x.send("delay 2 round 1000" if i == late else "round 1000")
+        time.sleep(0.5)
+        t = time.monotonic()
+        cl.send_signal(killed, signal.SIGKILL)
+        cl.procs[killed].wait(10)
+        restart(cl, killed)
+        assert time.monotonic() - t < PEER_TIMEOUT - 1, "the restart must beat peer_timeout for this test"
+        for i, x in enumerate(d):
+            r = x.read(PEER_TIMEOUT + 10)
+            if i == killed:
+                assert r["error"] == "DaemonUnavailableError", r
+            else:
+                assert r["error"] == "PeerLostError" and f"neighbour rank {killed}" in r["message"], r
+                # at once, or (the late one) as soon as its process submits: never a timeout
+                assert r["seconds"] < (2 if i == late else 0) + SLACK, r
+        for _ in range(2):
+            assert [r.get("ok") for r in together(d, "round 1000")] == [6.0] * 3
+
+
 @pytest.mark.timeout(120)
 def test_client_killed_mid_round_frees_its_session_and_others_go_on(tmp_path, drivers):
     with LocalCluster(3, tmp_path) as cl:

@@ -6,11 +6,11 @@ import time
 
 import pytest
 import zmq
+from birdnet.daemon.peers import HELD_MAX_MESSAGES, PeerNet
 from cluster import free_ports
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
-from birdnet.daemon.peers import HELD_MAX_MESSAGES, PeerNet
 from birdnet.hosts import Peer
 
 
