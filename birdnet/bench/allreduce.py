@@ -4,7 +4,9 @@ the exact mean; optionally in network namespaces with token-bucket links and nex
 torch.distributed/Gloo on the same links in the same run.
 
 Timing: every measured call starts right after a barrier; a run's time is the slowest node's; each
-figure is the median of ``--runs`` runs after ``--warmup`` warm-up calls. algbw = bytes / time,
+figure is the median of ``--runs`` runs after ``--warmup`` warm-up calls. Beside it, the *span*: from
+the last node's call to the last node's result on the machine's one monotonic clock (network
+namespaces share it), which leaves out how far apart the barrier released the nodes. algbw = bytes / time,
 busbw = algbw * 2 (N-1) / N (the nccl-tests convention for all-reduce).
 """
 from __future__ import annotations
@@ -41,26 +43,34 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
             # writes its gradients there: the all-reduce works in place, like Gloo's.
             buf = c.buffer((n,), np.float32)
             for name, params in cfg["codecs"]:
-                times, stats, out = [], [], None
+                times, marks, stats, out = [], [], [], None
                 c.reset_state()
                 for i in range(cfg["warmup"] + cfg["runs"]):
                     buf[:] = x
                     c.barrier()
-                    t0 = time.perf_counter()
+                    # one clock for both: CLOCK_MONOTONIC, shared by all network namespaces
+                    t0 = time.monotonic()
                     h = c.allreduce_async(buf, name=f"g{n}", codec=name, **params)
                     out = h.wait(900)
-                    dt = time.perf_counter() - t0
+                    t1 = time.monotonic()
                     if i >= cfg["warmup"]:
-                        times.append(dt)
+                        times.append(t1 - t0)
+                        marks.append([t0, t1])
                         stats.append(h.stats)
                 err = None
                 if exact is not None and out is not None:
                     err = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
-                res[f"{label(name, params)}|{n}"] = {"times": times, "stats": stats, "error": err}
+                res[f"{label(name, params)}|{n}"] = {"times": times, "marks": marks, "stats": stats, "error": err}
     return res
 
 
-def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, list[float]]:
+def spans(marks_per_node: list[list[list[float]]]) -> list[float]:
+    """Per run: the last node's end minus the last node's start ([start, end] pairs per node)."""
+    return [max(m[i][1] for m in marks_per_node) - max(m[i][0] for m in marks_per_node)
+            for i in range(len(marks_per_node[0]))]
+
+
+def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tuple[list[float], list[float]]]:
     port = 29900 + os.getpid() % 50
     procs = []
     for r in range(len(addresses)):
@@ -82,7 +92,8 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, list
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {n: [max(o["times"][str(n)][i] for o in outs) for i in range(runs)] for n in sizes}
+    return {n: ([max(o["times"][str(n)][i] for o in outs) for i in range(runs)],
+                spans([o["marks"][str(n)] for o in outs])) for n in sizes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
     nsc = None
     results: dict[str, Any] = {}
-    gloo: dict[int, list[float]] = {}
+    gloo: dict[int, tuple[list[float], list[float]]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
     slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}  # generous: 8 nodes share 2 cores
     t_start = time.monotonic()
@@ -144,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             for key in per_node[0]:
                 times = [max(pn[key]["times"][i] for pn in per_node) for i in range(a.runs)]
                 stats = per_node[0][key]["stats"]
+                span = spans([pn[key]["marks"] for pn in per_node])
                 results[key] = {"time": statistics.median(times), "times": times,
+                                "span": statistics.median(span), "spans": span,
                                 "bytes_sent": int(statistics.median(s.get("bytes_sent", 0) for s in stats)),
                                 "ratio": float(statistics.median(s.get("ratio", 0.0) for s in stats)),
                                 "compress_seconds": float(statistics.median(s.get("compress_seconds", 0.0) for s in stats)),
@@ -173,13 +186,17 @@ def main(argv: list[str] | None = None) -> int:
             row = {"size_bytes": n * 4, "count": n, "codec": label(name, params), "time_s": r["time"],
                    "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (a.nodes - 1) / a.nodes,
                    "wire_bytes_per_node": r["bytes_sent"], "ratio": r["ratio"], "error": r["error"],
-                   "compress_s": r["compress_seconds"], "daemon_round_s": r["round_seconds"], "times": r["times"]}
+                   "compress_s": r["compress_seconds"], "daemon_round_s": r["round_seconds"], "times": r["times"],
+                   "span_s": r["span"], "spans": r["spans"]}
             if n in gloo:
-                g = statistics.median(gloo[n])
+                g = statistics.median(gloo[n][0])
                 row["gloo_time_s"] = g
-                row["gloo_times"] = gloo[n]  # every measured run, for the spread
+                row["gloo_times"] = gloo[n][0]  # every measured run, for the spread
                 row["vs_gloo"] = r["time"] / g
                 row["speedup_vs_gloo"] = g / r["time"]
+                row["gloo_span_s"] = statistics.median(gloo[n][1])
+                row["gloo_spans"] = gloo[n][1]
+                row["span_vs_gloo"] = r["span"] / row["gloo_span_s"]
             rows.append(row)
     meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
@@ -189,15 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"# {meta['command']}\n# {a.nodes} nodes, {meta['mode']} {a.rate or ''}; {meta['machine']}, all nodes share it")
         hdr = f"{'size(B)':>12} {'count':>10} {'codec':<28} {'time(s)':>9} {'algbw':>7} {'busbw':>7} {'wire B/node':>12} {'ratio':>7} {'error':>9}"
+        hdr += f" {'span(s)':>8}"
         if gloo:
-            hdr += f" {'gloo(s)':>8} {'x gloo':>7}"
+            hdr += f" {'gloo(s)':>8} {'x gloo':>7} {'g.span':>8}"
         print(hdr)
         for r in rows:
             line = (f"{r['size_bytes']:>12} {r['count']:>10} {r['codec']:<28} {r['time_s']:>9.4f} {r['algbw_GBps']:>7.3f} "
                     f"{r['busbw_GBps']:>7.3f} {r['wire_bytes_per_node']:>12} {r['ratio']:>7.1f} "
                     f"{(r['error'] if r['error'] is not None else float('nan')):>9.2e}")
+            line += f" {r['span_s']:>8.4f}"
             if "gloo_time_s" in r:
-                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x"
+                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f}"
             print(line)
     if a.plot:
         _plot(rows, a.plot, meta)

@@ -1,0 +1,104 @@
+"""The benchmark commands a user runs (`birdnet bench allreduce|train|codecs`), end to end on real
+daemons, at sizes small enough for CI. They check what the commands report, not speed."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from birdnet.bench import netns
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def birdnet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "birdnet.cli", *args], capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.mark.timeout(300)
+def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
+    p = birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "1000,50000", "--codecs",
+                "none,marsit,birdplus:density=0.05", "--runs", "2", "--warmup", "1", "--json")
+    out = json.loads(p.stdout)
+    assert out["meta"]["nodes"] == 2 and out["meta"]["mode"] == "loopback"
+    rows = {(r["count"], r["codec"]): r for r in out["rows"]}
+    assert set(rows) == {(n, c) for n in (1000, 50000) for c in ("none", "marsit", "birdplus:density=0.05")}
+    for r in rows.values():
+        assert len(r["times"]) == 2 and len(r["spans"]) == 2
+        assert 0 < r["span_s"] <= r["time_s"] + 1e-9  # the span leaves out barrier skew, never adds
+        assert r["wire_bytes_per_node"] > 0
+    # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
+    assert rows[(50000, "none")]["error"] < 1e-6
+    # compressed codecs send fewer bytes than dense, and report a (finite) error: they are lossy
+    for c in ("marsit", "birdplus:density=0.05"):
+        assert rows[(50000, c)]["wire_bytes_per_node"] * 4 < rows[(50000, "none")]["wire_bytes_per_node"]
+        assert 0 < rows[(50000, c)]["error"] < 100
+
+
+@pytest.mark.timeout(300)
+def test_bench_allreduce_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "ar.png"
+    birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "1000,20000", "--codecs", "none,marsit",
+            "--runs", "1", "--warmup", "0", "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(not netns.available()[0], reason="network namespaces need root and iproute2")
+def test_bench_allreduce_netns_shaped_vs_gloo():
+    pytest.importorskip("torch")
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    p = birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "2000000", "--codecs", "none", "--runs", "1",
+                "--warmup", "1", "--netns", "--rate", "1gbit", "--vs-gloo", "--json", timeout=360)
+    out = json.loads(p.stdout)
+    (row,) = out["rows"]
+    assert out["meta"]["mode"] == "netns" and out["meta"]["rate"] == "1gbit"
+    assert row["gloo_time_s"] > 0 and row["gloo_span_s"] > 0 and row["vs_gloo"] > 0
+    # In a 2-node ring each node sends the whole 8 MB once: at 1 Gbit/s 64 ms, less what the token
+    # bucket's 512 KB burst lets through at once; unshaped loopback would take a few ms
+    assert row["time_s"] > 0.055 and row["gloo_time_s"] > 0.055
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert after <= before, "the benchmark left network namespaces behind"
+
+
+@pytest.mark.timeout(400)
+def test_bench_train_writes_results_per_codec_and_seed(tmp_path):
+    pytest.importorskip("sklearn")
+    res = tmp_path / "train.json"
+    p = birdnet("bench", "train", "--nodes", "2", "--data", "digits", "--codecs", "none,marsit", "--seeds", "0,1",
+                "--epochs", "2", "--json", str(res), timeout=360)
+    assert "marsit" in p.stdout and "none" in p.stdout
+    data = json.loads(res.read_text())
+    assert sorted((r["codec"], r["seed"]) for r in data["runs"]) == [("marsit", 0), ("marsit", 1), ("none", 0),
+                                                                      ("none", 1)]
+    for r in data["runs"]:
+        assert r["identical_on_all_nodes"], r["codec"]  # every node ends with the same model bits
+        assert len(r["history"]) >= 2 and r["bytes_sent"] > 0
+    summary = {s["codec"]: s for s in data["summary"]}
+    # digits has 10 classes: two epochs of data-parallel SGD are far above chance (0.1) with both
+    assert summary["none"]["acc_mean"] > 0.5 and summary["marsit"]["acc_mean"] > 0.5
+    assert summary["marsit"]["mb_sent_per_worker"] < summary["none"]["mb_sent_per_worker"] / 4
+
+
+@pytest.mark.timeout(300)
+def test_bench_codecs_reports_ratio_and_error():
+    p = birdnet("bench", "codecs", "--sizes", "100000", "--densities", "0.01", "--codecs", "topk,birdplus,marsit",
+                "--threads", "single", "--repeat", "2", "--no-baselines", "--json")
+    res = {r["codec"]: r for r in json.loads(p.stdout)["results"]}
+    assert set(res) == {"topk", "birdplus", "marsit"}
+    for r in res.values():
+        assert r["n"] == 100000 and r["compress_s"] > 0 and r["payload_bytes"] > 0
+        assert r["ratio"] == pytest.approx(400000 / r["payload_bytes"])
+    # density 0.01: Top-K sends 1,000 (index, value) pairs; BIRD+ shares block ids, so fewer bytes
+    assert res["topk"]["payload_bytes"] == 8000
+    assert res["birdplus"]["payload_bytes"] < res["topk"]["payload_bytes"]
+    assert res["marsit"]["ratio"] > 25  # one sign bit per element plus a scale
