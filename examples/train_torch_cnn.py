@@ -36,13 +36,12 @@ def make_model():
 
 def train(sock: str, node: int, local: int, cfg: dict) -> dict:
     """One training process: its shard of every batch, gradients averaged through the daemon."""
+    import birdnet.client.torch as bnt
     import numpy as np
     import torch
+    from birdnet.client import Client
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
-
-    import birdnet.client.torch as bnt
-    from birdnet.client import Client
 
     torch.set_num_threads(1)
     x, y = load_digits(return_X_y=True)

@@ -380,7 +380,6 @@ def shared_select(a, S, flats, rho, t, rng):
     k = max(1, round(rho * m))
     if a.mode == "coarse":  # all-reduced L1 norms of super-blocks of the current round
         sb = a.super
-        ms = -(-n // sb)
         tot = sum(block_l1(f, sb) for f in flats)
         per = sb // b
         imp = np.repeat(tot, per)[:m]
