@@ -102,3 +102,16 @@ def test_bench_codecs_reports_ratio_and_error():
     assert res["topk"]["payload_bytes"] == 8000
     assert res["birdplus"]["payload_bytes"] < res["topk"]["payload_bytes"]
     assert res["marsit"]["ratio"] > 25  # one sign bit per element plus a scale
+
+
+@pytest.mark.timeout(300)
+def test_bench_overlap_times_the_three_modes():
+    pytest.importorskip("torch")
+    p = birdnet("bench", "overlap", "--nodes", "2", "--hidden", "256", "--layers", "2", "--steps", "3", "--blocks",
+                "1", "--json")
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    assert out["config"]["nodes"] == 2 and out["parameters"] > 0 and out["buckets"] >= 1
+    # every step all-reduces every gradient once (float32, dense): at least the model's bytes
+    assert out["bytes_sent_per_step"] >= out["parameters"] * 4
+    for mode in ("local", "after", "overlap"):
+        assert out["median_step_seconds"]["slowest"][mode] > 0
