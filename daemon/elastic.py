@@ -93,6 +93,8 @@ class ElasticPeerNet(PeerNet):
         self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
         self.identities: dict[bytes, int] = {}  #: accepted DEALER identity -> rank
         self.identity_of: dict[int, bytes] = {}
+        #: rank -> neighbour_restarts right after its latest restart was seen (a new identity)
+        self.restart_seq: dict[int, int] = {}
         # advertised in pings, written by the ring worker
         self.epoch = 0
         self.want = False
@@ -124,6 +126,19 @@ class ElasticPeerNet(PeerNet):
     def alive(self) -> set[int]:
         now = time.monotonic()
         return {r for r in range(self.world) if self.heard(r, now)}
+
+    def gone(self, ring: list[int], since: int, now: float | None = None) -> str | None:
+        """Why a round on ``ring`` that began when neighbour_restarts was ``since`` cannot go on:
+        members counted lost, or restarted since (their new instance knows nothing of the round),
+        else None."""
+        now = time.monotonic() if now is None else now
+        lost = {r for r in ring if not self.presumed(r, now)}
+        back = [r for r in ring if self.restart_seq.get(r, 0) > since]
+        if not lost and not back:
+            return None
+        why = [f"lost peer {self.describe_lost(lost)}"] if lost else []
+        why += [f"rank {r} ({self.peers[r].address}) restarted" for r in back]
+        return "; ".join(why)
 
     def lost(self) -> set[int]:
         now = time.monotonic()
@@ -288,6 +303,9 @@ class ElasticPeerNet(PeerNet):
             if old is not None:
                 self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
                 self._replaced.append(old)
+                # a restart: rounds in flight on a ring with r cannot complete (ElasticPeerNet.gone)
+                self.neighbour_restarts += 1
+                self.restart_seq[r] = self.neighbour_restarts
             log.info("rank %d (%s) connected (incarnation %s)", r, self.peers[r].address, h.get("inc"))
             self.identity_of[r] = identity
             self.identities[identity] = r
@@ -303,8 +321,8 @@ class ElasticPeerNet(PeerNet):
 class ElasticTransport(RoundTransport):
     """The transport of one round on the live ring ``members``: rank and world are positions in it."""
 
-    def __init__(self, net: ElasticPeerNet, key: str, members: list[int]) -> None:
-        super().__init__(net, key)
+    def __init__(self, net: ElasticPeerNet, key: str, members: list[int], restarts_at: int | None = None) -> None:
+        super().__init__(net, key, restarts_at)
         self.members = members
         pos = members.index(net.rank)
         self.rank, self.world = pos, len(members)
@@ -341,9 +359,9 @@ class ElasticTransport(RoundTransport):
             if net.stopping:
                 raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {net.rank} is shutting down")
             now = time.monotonic()
-            lost = [r for r in self.members if not net.presumed(r, now)]
-            if lost:
-                raise PeerLostError(f"lost peer {net.describe_lost(lost)} during round {self.key}")
+            why = net.gone(self.members, self.restarts_at, now)
+            if why:
+                raise PeerLostError(f"{why} during round {self.key}")
             if now >= deadline:
                 raise PeerLostError(f"no data from rank {self.left_rank} ({net.peers[self.left_rank].address}) for "
                                     f"round {self.key} within {net.settings.peer_timeout} s")
@@ -514,17 +532,13 @@ class ElasticRingWorker(RingWorker):
                     if isinstance(key, str) and key in self.ready:
                         self._finish(self.ready[key], exc)
 
-    def _lost_members(self, ring: list[int]) -> list[int]:
-        now = time.monotonic()
-        return [r for r in ring if not self.net.presumed(r, now)]
-
-    def _wait_elastic(self, want: str, key: str, deadline: float, ring: list[int], prev: int) -> dict:
+    def _wait_elastic(self, want: str, key: str, deadline: float, ring: list[int], prev: int, since: int) -> dict:
         net = self.net
         while True:
             self._take_inbox()
-            lost = self._lost_members(ring)
-            if lost:
-                raise PeerLostError(f"lost peer {net.describe_lost(lost)} while round {key} was starting")
+            why = net.gone(ring, since)
+            if why:
+                raise PeerLostError(f"{why} while round {key} was starting")
             if self.stopping:
                 raise ShutdownError("the daemon is shutting down")
             if time.monotonic() > deadline:
@@ -558,13 +572,14 @@ class ElasticRingWorker(RingWorker):
         order = ring[pos:] + ring[:pos]
         self.ring, self.next_rank = ring, order[1]
         deadline = rnd.ready_at + self.settings.round_timeout
+        since = self.net.neighbour_restarts
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         member = {"ep": ep, "S": ring, "L": self.rank, "J": joiners, "I": incs}
         try:
             self.net.send({"t": "start", "k": key, **member, "descs": [[self.rank, self._own_desc(rnd)]],
                            "more": [[k, [[self.rank, self._own_desc(self.ready[k])]]] for k in extras]},
                           to=self.next_rank)
-            h = self._wait_elastic("start", key, deadline, ring, order[-1])
+            h = self._wait_elastic("start", key, deadline, ring, order[-1], since)
             verdicts = [self._verdict(key, self._check_ring_descs(h.get("descs"), key, order))]
             more = h.get("more") if isinstance(h.get("more"), list) else []
             for item in more:
@@ -590,7 +605,7 @@ class ElasticRingWorker(RingWorker):
             self._finish(rnd, exc)
             return
         self._apply(ep, ring, self.rank, incs)
-        self._run_ring_batch(verdicts, ring)
+        self._run_ring_batch(verdicts, ring, since)
 
     def _check_ring_descs(self, descs: Any, key: str, order: list[int]) -> list[tuple[int, dict[str, Any]]]:
         if (not isinstance(descs, list) or len(descs) != len(order)
@@ -637,6 +652,7 @@ class ElasticRingWorker(RingWorker):
         if self.rank in joiners and self.join_epoch != ep:
             self.join_epoch, self.aligned = ep, set()
         deadline = time.monotonic() + self.settings.round_timeout
+        since = self.net.neighbour_restarts
         job, _, seq_s = key.rpartition("/")
         while True:
             self._take_inbox()  # before any wait: see RingWorker._follow
@@ -652,9 +668,9 @@ class ElasticRingWorker(RingWorker):
                                                    f"round {key} within round_timeout"}])
                 self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
                 return
-            lost = self._lost_members(ring)
-            if lost:
-                self._abort(key, f"lost peer {self.net.describe_lost(lost)}", retry=True)
+            why = self.net.gone(ring, since)
+            if why:
+                self._abort(key, why, retry=True)
                 return
             gone = self.departed.get(job)
             if gone is not None and seq_s.isdigit() and int(seq_s) - self.offsets.get(job, 0) >= gone[1]:
@@ -662,7 +678,8 @@ class ElasticRingWorker(RingWorker):
                                           "error_class": "ProcessLostError"}])
                 self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
                 try:
-                    g = self._wait_elastic("go", key, time.monotonic() + self.settings.peer_timeout * 2, ring, prev)
+                    g = self._wait_elastic("go", key, time.monotonic() + self.settings.peer_timeout * 2, ring, prev,
+                                           since)
                 except (BirdnetError, _Retry):
                     return
                 if self.next_rank != leader:
@@ -689,7 +706,7 @@ class ElasticRingWorker(RingWorker):
         self.net.send({**h, "descs": descs, "more": kept}, to=self.next_rank)
         try:
             g = self._wait_elastic("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout,
-                                   ring, prev)
+                                   ring, prev, since)
         except (_Retry, PeerLostError) as exc:
             if not isinstance(exc, RoundAborted):
                 self._abort(key, f"rank {self.rank}: {exc}", retry=True)
@@ -723,9 +740,9 @@ class ElasticRingWorker(RingWorker):
                     or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
                 v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
                 v[4] = [0] * len(ring)
-        self._run_ring_batch(verdicts, ring)
+        self._run_ring_batch(verdicts, ring, since)
 
-    def _run_ring_batch(self, verdicts: list[list[Any]], ring: list[int]) -> None:
+    def _run_ring_batch(self, verdicts: list[list[Any]], ring: list[int], since: int) -> None:
         self.agreements += 1
         failed: BirdnetError | None = None
         for key, ok, err, errc, counts in verdicts:
@@ -742,7 +759,7 @@ class ElasticRingWorker(RingWorker):
                 counts = [int(c) for c in counts]
                 rnd.stats["contributors"] = [r for r, c in zip(ring, counts) if c > 0]
                 rnd.stats["epoch"] = self.epoch
-                failed = self._data_phase(rnd, ElasticTransport(self.net, key, ring), counts)
+                failed = self._data_phase(rnd, ElasticTransport(self.net, key, ring, since), counts)
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
         try:

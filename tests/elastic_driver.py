@@ -1,5 +1,5 @@
 """A long-lived training-process stand-in for tests/test_elastic.py: ``python elastic_driver.py
-SOCKET``; each stdin line ``round N CODEC`` runs allreduce(mean) of this node's own random vector
+SOCKET``; each stdin line ``round N CODEC`` (or ``delay S round N CODEC``) runs allreduce(mean) of this node's own random vector
 (seeded by the node rank) and answers one JSON line with the first value, a digest of the result's
 bytes, the contributors and the process count; errors as ``{"error": class, "message": ...}``."""
 from __future__ import annotations
@@ -23,6 +23,9 @@ def main() -> None:
         t = time.monotonic()
         ans: dict = {}
         try:
+            if words[0] == "delay":  # "delay S round N CODEC": a process that comes late to the round
+                time.sleep(float(words[1]))
+                words = words[2:]
             n, codec = int(words[1]), words[2]
             x = np.random.default_rng(c.node).standard_normal(n).astype(np.float32) + np.float32(c.node + 1)
             h = c.allreduce_async(x, op="mean", name=f"t-{codec}", codec=None if codec == "default" else codec)

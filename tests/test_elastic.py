@@ -174,6 +174,36 @@ def test_elastic_leader_lost_then_rejoins(tmp_path, drivers):
         lose_and_regain(cl, drivers, dead=0)
 
 
+# A node killed while a round is being agreed and back before anyone counts it lost: its new
+# instance knows nothing of the round. Every node sees the new incarnation in its pings and the
+# agreement starts again on the ring without it, at once (not after round_timeout); node 2's process
+# is 2 s late, so the round is mid-agreement when node 1 dies. Its process rejoins later.
+@pytest.mark.timeout(120)
+def test_elastic_node_restarted_mid_agreement_before_it_counts_as_lost(tmp_path, drivers):
+    with LocalCluster(4, tmp_path, extra=["--elastic"]) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        check(together(d, f"round {N} none"), [0, 1, 2, 3])
+        for i in (0, 1, 3):
+            d[i].send(f"round {N} none")
+        d[2].send(f"delay 2 round {N} none")
+        time.sleep(0.5)
+        t = time.monotonic()
+        kill(cl, 1)
+        cl.start_node(1)
+        assert time.monotonic() - t < PEER_TIMEOUT - 1, "the restart must beat peer_timeout for this test"
+        assert d[1].read(10)["error"] == "DaemonUnavailableError"
+        res = [d[i].read(PEER_TIMEOUT + 10) for i in (0, 2, 3)]
+        check(res, [0, 2, 3])
+        assert all(r["seconds"] < 2 + 3 for r in res), res  # the late process's 2 s, not a timeout
+        # node 1's process (reconnected by itself) waits first, so the leader admits it
+        d[1].send(f"round {N} none")
+        time.sleep(1.0)
+        for i in (0, 2, 3):
+            d[i].send(f"round {N} none")
+        check([d[i].read(40) for i in range(4)], [0, 1, 2, 3])
+        check(together(d, f"round {N} none"), [0, 1, 2, 3])
+
+
 @pytest.mark.timeout(60)
 def test_elastic_without_a_majority_fails_clearly(tmp_path, drivers):
     with LocalCluster(3, tmp_path, extra=["--elastic"]) as cl:
