@@ -283,12 +283,13 @@ class RingWorker(threading.Thread):
         #: job -> why its rounds cannot complete on this node (a local process left); written by the
         #: service thread, read here (single dict operations, atomic under the GIL)
         self.departed: dict[str, tuple[str, int]] = {}  # job -> (why, first call affected)
-        #: rounds failed on one node before any verdict of the leader (a lost peer seen by that node
-        #: alone): key -> (error class, message, monotonic time). A round with such a key fails at once
-        #: here too, so no node waits round_timeout for an agreement that cannot come.
-        self.failed_alone: dict[str, tuple[str, str, float]] = {}
+        #: rounds aborted anywhere in the ring, also those this node has not reached yet (a node that
+        #: alone saw a peer lost, a neighbour restarted, a failed data phase): key -> (error class,
+        #: message, monotonic time). A round with such a key fails at once when it is submitted or
+        #: started here, so no node waits round_timeout for an agreement that cannot come.
+        self.aborted: dict[str, tuple[str, str, float]] = {}
         #: jobs whose processes on this node all left and came back (a new incarnation may number its
-        #: rounds from 0 again): their failed_alone keys are dropped. Appended by the service thread.
+        #: rounds from 0 again): their aborted keys are dropped. Appended by the service thread.
         self.restarted_jobs: list[str] = []
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -304,8 +305,8 @@ class RingWorker(threading.Thread):
     def _take_inbox(self, timeout: float = 0.0) -> None:
         while self.restarted_jobs:
             prefix = self.restarted_jobs.pop(0) + "/"
-            for k in [k for k in self.failed_alone if k.startswith(prefix)]:
-                del self.failed_alone[k]
+            for k in [k for k in self.aborted if k.startswith(prefix)]:
+                del self.aborted[k]
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -323,17 +324,17 @@ class RingWorker(threading.Thread):
                 return
 
     def _tombstone(self, key: str) -> tuple[str, str, float] | None:
-        t = self.failed_alone.get(key)
+        t = self.aborted.get(key)
         if t is not None and time.monotonic() - t[2] > self.settings.round_timeout + self.settings.peer_timeout:
-            del self.failed_alone[key]
+            del self.aborted[key]
             return None
         return t
 
     def _remember_failed(self, key: str, cls: str, message: str) -> None:
-        self.failed_alone.pop(key, None)
-        self.failed_alone[key] = (cls, message, time.monotonic())
-        while len(self.failed_alone) > 4096:
-            self.failed_alone.pop(next(iter(self.failed_alone)))
+        self.aborted.pop(key, None)
+        self.aborted[key] = (cls, message, time.monotonic())
+        while len(self.aborted) > 4096:
+            self.aborted.pop(next(iter(self.aborted)))
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
@@ -342,8 +343,9 @@ class RingWorker(threading.Thread):
         self._remember_failed(rnd.key, type(error).__name__, str(error))
         self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank)
 
-    def _on_lone_abort(self, h: dict[str, Any]) -> None:
-        """An ``abort`` carrying its origin ``o``: a node failed the round alone (see _fail_alone)."""
+    def _on_abort_elsewhere(self, h: dict[str, Any]) -> None:
+        """An ``abort`` (naming its origin ``o``) of a round this node is not running: remember it,
+        fail the round if it is waiting here, pass the abort on."""
         key, origin = h.get("k"), h.get("o")
         if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
             return
@@ -441,7 +443,7 @@ class RingWorker(threading.Thread):
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
             if msg is not None and msg["h"].get("t") == "abort":
-                self._on_lone_abort(msg["h"])
+                self._on_abort_elsewhere(msg["h"])
             # Only followers act on a start; the leader's own starts come back inside _lead.
             if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
                 try:
@@ -493,7 +495,7 @@ class RingWorker(threading.Thread):
             if h.get("t") == want and h.get("k") == key:
                 return h
             if h.get("t") == "abort" and "o" in h:
-                self._on_lone_abort(h)  # another round, failed on one node alone
+                self._on_abort_elsewhere(h)  # another round
                 continue
             if h.get("t") == "start" and want == "go" and self.rank != 0:
                 self.pending_start = msg
@@ -503,7 +505,7 @@ class RingWorker(threading.Thread):
     def _abort(self, key: str, reason: str, origin: int | None = None) -> None:
         """Tell the ring round ``key`` failed. Every abort names its origin (default: this node) and
         travels until it is next to it, through nodes that are not (or no longer) in the round too,
-        so a node that has not reached the round yet learns of it (RingWorker.failed_alone)."""
+        so a node that has not reached the round yet learns of it (RingWorker.aborted)."""
         origin = self.rank if origin is None else origin
         if (self.rank + 1) % self.world == origin:
             return
@@ -524,8 +526,9 @@ class RingWorker(threading.Thread):
             self._abort(key, f"rank {self.rank}: {exc}")
 
     def _check_restarts(self, key: str, since: int) -> None:
-        if self.net.neighbour_restarts != since:
-            raise PeerLostError(f"round {key} cannot complete: neighbour {self.net.last_restart} during it")
+        restarted = self.net.restarted_since(since)
+        if restarted:
+            raise PeerLostError(f"round {key} cannot complete: {restarted} during it")
 
     def _lead(self, rnd: LocalRound) -> None:
         """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
@@ -615,11 +618,12 @@ class RingWorker(threading.Thread):
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 return
             lost = self.net.lost()
+            restarted = self.net.restarted_since(since)
             why = None
             if lost:
                 why = f"lost peer {self.net.describe_lost(lost)} while round {key} was starting"
-            elif self.net.neighbour_restarts != since:
-                why = f"round {key} cannot complete: neighbour {self.net.last_restart} while it was starting"
+            elif restarted:
+                why = f"round {key} cannot complete: {restarted} while it was starting"
             if why is not None:
                 self._remember_failed(key, "PeerLostError", why)
                 self._abort(key, why)
@@ -643,7 +647,7 @@ class RingWorker(threading.Thread):
             msg = self.net.poll(0.02)
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
                 # remembered, so the round fails at once when this node's processes submit it
-                self._on_lone_abort(msg["h"])
+                self._on_abort_elsewhere(msg["h"])
                 return
             if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("k") != key:
                 # the leader moved on (it abandoned this round): follow the newer one
@@ -695,8 +699,8 @@ class RingWorker(threading.Thread):
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
         """Run one agreed round; returns its error (already reported) or None."""
-        if hasattr(transport, "on_lone_abort"):
-            transport.on_lone_abort = self._on_lone_abort
+        if hasattr(transport, "on_other_abort"):
+            transport.on_other_abort = self._on_abort_elsewhere
         try:
             self.runner.run(rnd, transport, self.rank, self.world, counts)
         except BirdnetError as exc:

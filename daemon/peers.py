@@ -128,7 +128,7 @@ class PeerNet:
         #: right-hand side would learn later (after its reconnection and a pong), so only this side
         #: looks; its abort reaches every node.
         self.neighbour_restarts = 0
-        self.last_restart = ""
+        self.last_restart = ""  #: which neighbour restarted last, for error messages
         self.own_lost: set[int] = set()
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
@@ -242,6 +242,11 @@ class PeerNet:
                 log.info("peer rank %d (%s) is back", r, self.peers[r].address)
             self.own_lost = own
         return (own | self.left_reports) - {self.rank}
+
+    def restarted_since(self, since: int) -> str | None:
+        """Which neighbour restarted (for an error message) if one did after neighbour_restarts was
+        ``since``, else None."""
+        return f"neighbour {self.last_restart}" if self.neighbour_restarts != since else None
 
     def describe_lost(self, lost: set[int]) -> str:
         text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
@@ -505,8 +510,8 @@ class RoundTransport:
         self.bytes_received = 0
         self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
         self.trackers: list[Any] = []
-        #: called with an ``abort`` of another round that a node failed alone (RingWorker._on_lone_abort)
-        self.on_lone_abort: Any = None
+        #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
+        self.on_other_abort: Any = None
 
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
@@ -542,8 +547,9 @@ class RoundTransport:
             lost = self.net.lost()
             if lost:
                 raise PeerLostError(f"lost peer {self.net.describe_lost(lost)} during round {self.key}")
-            if self.net.neighbour_restarts != self.restarts_at:
-                raise PeerLostError(f"round {self.key} cannot complete: neighbour {self.net.last_restart} during it")
+            restarted = self.net.restarted_since(self.restarts_at)
+            if restarted:
+                raise PeerLostError(f"round {self.key} cannot complete: {restarted} during it")
             now = time.monotonic()
             if now >= deadline:
                 raise PeerLostError(
@@ -556,8 +562,8 @@ class RoundTransport:
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") in (self.key, None):
                 raise RoundAborted(str(h.get("reason")), origin_of(h))
-            if h.get("t") == "abort" and "o" in h and self.on_lone_abort is not None:
-                self.on_lone_abort(h)
+            if h.get("t") == "abort" and "o" in h and self.on_other_abort is not None:
+                self.on_other_abort(h)
                 continue
             if h.get("t") == "start":
                 self.interrupt = msg

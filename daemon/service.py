@@ -313,7 +313,7 @@ class Daemon:
         j = self.jobs.setdefault(job, Job(job))
         if not j.sessions and not same and self.worker is not None:
             # a new incarnation of the job on this node may number its rounds from 0 again: the
-            # ring worker forgets rounds of the job it failed alone (RingWorker.failed_alone)
+            # ring worker forgets the job's aborted rounds (RingWorker.aborted)
             self.worker.restarted_jobs.append(job)
         free = [i for i in range(self.settings.local_size) if i not in j.sessions]
         if not free:

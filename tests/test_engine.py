@@ -84,6 +84,9 @@ class _NetStandIn:
     def lost(self):
         return set()
 
+    def restarted_since(self, since):
+        return None
+
     def send(self, header, buffers=(), track=False):
         self.sent.append(header)
 
