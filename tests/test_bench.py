@@ -115,3 +115,18 @@ def test_bench_overlap_times_the_three_modes():
     assert out["bytes_sent_per_step"] >= out["parameters"] * 4
     for mode in ("local", "after", "overlap"):
         assert out["median_step_seconds"]["slowest"][mode] > 0
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_that_fails_to_start_leaves_no_daemon_behind(tmp_path):
+    """``with LocalCluster(...)`` never reaches __exit__ when a daemon fails to come up: start()
+    itself must stop the daemons it already started (seen as stray daemons after a failed run)."""
+    from birdnet.bench.cluster import LocalCluster
+    cl = LocalCluster(3, tmp_path, per_node_extra=[[], [], ["--no-such-flag"]])
+    with pytest.raises(RuntimeError, match="daemon 2 exited"):
+        with cl:
+            pass
+    assert cl.procs == [None, None, None]
+    # nothing of this cluster is still running (each daemon was its own session, reaped by pid)
+    out = subprocess.run(["pgrep", "-f", str(cl.hosts)], capture_output=True, text=True).stdout
+    assert out.strip() == ""

@@ -83,10 +83,16 @@ class LocalCluster:
             time.sleep(0.05)
 
     def start(self) -> "LocalCluster":
-        for i in range(self.n):
-            self.start_node(i, wait=False)
-        for i in range(self.n):
-            self.wait_ready(i)
+        # ``with cluster:`` does not call __exit__ when __enter__ raises: a daemon that fails to
+        # come up must not leave the others running behind it
+        try:
+            for i in range(self.n):
+                self.start_node(i, wait=False)
+            for i in range(self.n):
+                self.wait_ready(i)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def send_signal(self, i: int, sig: int) -> None:
@@ -129,7 +135,6 @@ class LocalCluster:
     def run_async(self, fn, *args, per_node: int | None = None, nodes=None) -> "Workers":
         """Run ``fn(socket, node, local, *args)`` in one spawned process per training process;
         results ordered by (node, local). Raises the first worker error."""
-        """Start ``fn(socket, node, local, *args)`` in one spawned process per training process."""
         per_node = self.local_size if per_node is None else per_node
         nodes = range(self.n) if nodes is None else nodes
         jobs = [(self.sockets[i], i, j) for i in nodes for j in range(per_node)]
