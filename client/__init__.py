@@ -73,8 +73,12 @@ class _Slot:
 
 
 class Handle:
-    """An all-reduce in flight. ``wait()`` returns the result; ``stats`` then holds the round's
-    figures (bytes sent and received at the transport, compression ratio, compress time)."""
+    """An all-reduce in flight. ``wait()`` returns the result; ``stats`` then holds this node's
+    figures of the round: ``bytes_sent`` / ``bytes_received`` at the transport, ``ratio`` (dense
+    ring bytes / bytes sent), ``compress_seconds``, ``seconds`` (the data phase), ``cpu_seconds``
+    (the daemon's CPU time in it, all threads), ``wait_seconds`` (from all local processes
+    submitting to the data phase: the agreement), and ``t_ready`` / ``t_data`` / ``t_end``, the
+    same moments on the machine's monotonic clock (``time.monotonic()``)."""
 
     def __init__(self, client: "Client", call: int, slot: _Slot | None, shape, dtype, out, name: str | None) -> None:
         self.client, self.call, self.slot = client, call, slot

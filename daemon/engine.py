@@ -153,9 +153,12 @@ class RoundRunner:
 
     def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int]) -> None:
         t0 = time.perf_counter()
+        c0 = time.process_time()  # the whole daemon process: ring thread, ZeroMQ I/O thread, service
         total = sum(counts)
         st = rnd.stats
-        st.update(count=total, codec="none", compress_seconds=0.0, bytes_sent=0, bytes_received=0)
+        # monotonic marks (one clock for all the namespaces of a machine): where a round's time goes
+        st.update(count=total, codec="none", compress_seconds=0.0, bytes_sent=0, bytes_received=0,
+                  wait_seconds=time.monotonic() - rnd.ready_at, t_ready=rnd.ready_at, t_data=time.monotonic())
         if rnd.kind == "reset":
             st["states_dropped"] = self.states.reset(rnd.job)
             return
@@ -208,6 +211,8 @@ class RoundRunner:
             if dst.size and not np.shares_memory(dst, out):
                 np.copyto(dst, out, casting="unsafe")
         st["seconds"] = time.perf_counter() - t0
+        st["cpu_seconds"] = time.process_time() - c0
+        st["t_end"] = time.monotonic()
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
                    counts: list[int], dst: np.ndarray | None = None) -> np.ndarray:

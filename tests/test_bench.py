@@ -35,6 +35,12 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         assert len(r["times"]) == 2 and len(r["spans"]) == 2
         assert 0 < r["span_s"] <= r["time_s"] + 1e-9  # the span leaves out barrier skew, never adds
         assert r["wire_bytes_per_node"] > 0
+        # where the time goes: each phase ends no earlier than the one before it (per run, hence
+        # in the medians), the last one is the span, and the data phase used some CPU
+        ph = r["phases_s"]
+        assert 0 <= ph["ready"] <= ph["data_start"] <= ph["data_end"] <= ph["result"]
+        assert ph["result"] == pytest.approx(r["span_s"])
+        assert r["daemon_cpu_s"] > 0
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6
     # compressed codecs send fewer bytes than dense, and report a (finite) error: they are lossy
@@ -63,6 +69,7 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     (row,) = out["rows"]
     assert out["meta"]["mode"] == "netns" and out["meta"]["rate"] == "1gbit"
     assert row["gloo_time_s"] > 0 and row["gloo_span_s"] > 0 and row["vs_gloo"] > 0
+    assert row["gloo_cpu_s"] > 0 and row["daemon_cpu_s"] > 0
     # In a 2-node ring each node sends the whole 8 MB once: at 1 Gbit/s 64 ms, less what the token
     # bucket's 512 KB burst lets through at once; unshaped loopback would take a few ms
     assert row["time_s"] > 0.055 and row["gloo_time_s"] > 0.055

@@ -93,7 +93,26 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tupl
                 p.kill()
                 p.wait()
     return {n: ([max(o["times"][str(n)][i] for o in outs) for i in range(runs)],
-                spans([o["marks"][str(n)] for o in outs])) for n in sizes}
+                spans([o["marks"][str(n)] for o in outs]),
+                [sum(o["cpu"][str(n)][i] for o in outs) for i in range(runs)]) for n in sizes}
+
+
+def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[dict[str, Any]]]) -> dict[str, float]:
+    """Where a round's time goes, medians over the runs, in seconds from the last node's call
+    (one monotonic clock): ``ready`` the last daemon has its process's contribution (the hand-off
+    in), ``data_start`` the last daemon begins the data phase (the start/go agreement),
+    ``data_end`` the last daemon is done, ``result`` the last process has its result (= span)."""
+    out: dict[str, list[float]] = {"ready": [], "data_start": [], "data_end": [], "result": []}
+    for i in range(len(marks_per_node[0])):
+        t0 = max(m[i][0] for m in marks_per_node)
+        st = [s[i] for s in stats_per_node]
+        if not all("t_ready" in x and "t_data" in x and "t_end" in x for x in st):
+            return {}
+        out["ready"].append(max(x["t_ready"] for x in st) - t0)
+        out["data_start"].append(max(x["t_data"] for x in st) - t0)
+        out["data_end"].append(max(x["t_end"] for x in st) - t0)
+        out["result"].append(max(m[i][1] for m in marks_per_node) - t0)
+    return {k: statistics.median(v) for k, v in out.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
     nsc = None
     results: dict[str, Any] = {}
-    gloo: dict[int, tuple[list[float], list[float]]] = {}
+    gloo: dict[int, tuple[list[float], list[float], list[float]]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
     slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}  # generous: 8 nodes share 2 cores
     t_start = time.monotonic()
@@ -156,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                 times = [max(pn[key]["times"][i] for pn in per_node) for i in range(a.runs)]
                 stats = per_node[0][key]["stats"]
                 span = spans([pn[key]["marks"] for pn in per_node])
+                cpu = [sum(float(pn[key]["stats"][i].get("cpu_seconds", 0.0)) for pn in per_node)
+                       for i in range(a.runs)]
                 results[key] = {"time": statistics.median(times), "times": times,
+                                "cpu": statistics.median(cpu),
+                                "phases": phases([pn[key]["marks"] for pn in per_node],
+                                                 [pn[key]["stats"] for pn in per_node]),
                                 "span": statistics.median(span), "spans": span,
                                 "bytes_sent": int(statistics.median(s.get("bytes_sent", 0) for s in stats)),
                                 "ratio": float(statistics.median(s.get("ratio", 0.0) for s in stats)),
@@ -187,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                    "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (a.nodes - 1) / a.nodes,
                    "wire_bytes_per_node": r["bytes_sent"], "ratio": r["ratio"], "error": r["error"],
                    "compress_s": r["compress_seconds"], "daemon_round_s": r["round_seconds"], "times": r["times"],
-                   "span_s": r["span"], "spans": r["spans"]}
+                   "span_s": r["span"], "spans": r["spans"],
+                   # all daemons' CPU time (every thread) in one round's data phase, summed over nodes
+                   "daemon_cpu_s": r["cpu"], "phases_s": r["phases"]}
             if n in gloo:
                 g = statistics.median(gloo[n][0])
                 row["gloo_time_s"] = g
@@ -197,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["gloo_span_s"] = statistics.median(gloo[n][1])
                 row["gloo_spans"] = gloo[n][1]
                 row["span_vs_gloo"] = r["span"] / row["gloo_span_s"]
+                # all Gloo processes' CPU time (every thread) in one all_reduce call, summed over nodes
+                row["gloo_cpu_s"] = statistics.median(gloo[n][2])
             rows.append(row)
     meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
@@ -217,6 +245,19 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {r['span_s']:>8.4f}"
             if "gloo_time_s" in r:
                 line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f}"
+            print(line)
+        print("# where the time goes (ms after the last node's call; medians): hand-off in, agreement, "
+              "data phase, hand-off out; CPU of one round's data phase summed over all daemons / Gloo processes")
+        print(f"{'count':>10} {'codec':<28} {'ready':>7} {'start':>7} {'data end':>9} {'result':>7} {'cpu ms':>7}"
+              + (f" {'gloo cpu':>9}" if gloo else ""))
+        for r in rows:
+            ph = r["phases_s"] or {}
+            line = (f"{r['count']:>10} {r['codec']:<28} " + " ".join(
+                f"{ph.get(k, float('nan')) * 1e3:>{w}.1f}" for k, w in
+                (("ready", 7), ("data_start", 7), ("data_end", 9), ("result", 7)))
+                + f" {r['daemon_cpu_s'] * 1e3:>7.1f}")
+            if "gloo_cpu_s" in r:
+                line += f" {r['gloo_cpu_s'] * 1e3:>9.1f}"
             print(line)
     if a.plot:
         _plot(rows, a.plot, meta)
