@@ -41,6 +41,7 @@ from birdnet.daemon.peers import (
     RoundTransport,
     frames_nbytes,
     reconnect_ivl_max,
+    recv_frames,
     send_frames,
 )
 
@@ -241,7 +242,7 @@ class ElasticPeerNet(PeerNet):
 
     def _recv_router(self) -> dict | None:
         try:
-            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = recv_frames(self.router)
         except zmq.Again:
             return None
         if len(frames) < 1:
