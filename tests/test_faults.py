@@ -90,26 +90,6 @@ def segments(sock: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(shm_prefix(sock)))
 
 
-def restart(cl: LocalCluster, i: int, timeout: float = 30.0) -> None:
-    """Start node i again and wait until *its* socket accepts connections (a killed daemon leaves
-    its socket file behind, so the file existing says nothing; connecting to it is refused)."""
-    import socket as pysocket
-    cl.start_node(i, wait=False)
-    deadline = time.monotonic() + timeout
-    while True:
-        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
-        try:
-            s.connect(cl.sockets[i])
-            return
-        except OSError:
-            pass
-        finally:
-            s.close()
-        if cl.procs[i].poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"daemon {i} did not come back: {cl.log(i)[-2000:]}")
-        time.sleep(0.05)
-
-
 def wait_ring_ok(cl: LocalCluster, timeout: float = 20.0) -> float:
     """Seconds until every daemon reports every peer reachable."""
     from birdnet.client import Client
@@ -156,7 +136,7 @@ def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, driver
         # the killed instance's shared memory is still there, until the next start removes it
         left = segments(cl.sockets[1])
         assert set(old) <= set(left)
-        restart(cl, 1)
+        cl.start_node(1)
         assert set(left).isdisjoint(segments(cl.sockets[1]))
         assert f"removed {len(left)} shared-memory segment(s) left by an earlier instance" in cl.log(1)
         wait_ring_ok(cl)
@@ -186,7 +166,7 @@ def test_daemon_restarted_mid_round_before_it_counts_as_lost(tmp_path, drivers, 
         t = time.monotonic()
         cl.send_signal(killed, signal.SIGKILL)
         cl.procs[killed].wait(10)
-        restart(cl, killed)
+        cl.start_node(killed)
         assert time.monotonic() - t < PEER_TIMEOUT - 1, "the restart must beat peer_timeout for this test"
         for i, x in enumerate(d):
             r = x.read(PEER_TIMEOUT + 10)
@@ -234,7 +214,7 @@ def test_daemon_restarted_while_clients_idle(tmp_path, drivers):
         assert [r.get("ok") for r in together(d, "round 10")] == [3.0, 3.0]
         t = time.monotonic()
         assert cl.stop_node(1) == 0
-        restart(cl, 1)
+        cl.start_node(1)
         down = time.monotonic() - t
         took = wait_ring_ok(cl)
         assert took < PEER_TIMEOUT + SLACK
@@ -243,7 +223,7 @@ def test_daemon_restarted_while_clients_idle(tmp_path, drivers):
         t = time.monotonic()
         cl.send_signal(0, signal.SIGKILL)
         cl.procs[0].wait(10)
-        restart(cl, 0)
+        cl.start_node(0)
         down = time.monotonic() - t
         wait_ring_ok(cl)
         next_call_after_restart(d, down)
@@ -321,7 +301,7 @@ def test_next_call_without_a_daemon_fails_clearly(tmp_path, drivers):
         r = d.call("round 10", 30)
         assert r["error"] == "DaemonUnavailableError" and "went away" in r["message"], r
         assert r["seconds"] < 12  # reconnect_timeout (10 s) at most
-        restart(cl, 0)
+        cl.start_node(0)
         assert d.call("round 10")["ok"] == 1.0
 
 
@@ -341,7 +321,7 @@ def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
         assert segments(cl.sockets[0]) == [] and not os.path.exists(cl.sockets[0])
         assert "stopped" in cl.log(0)
         # a round in its data phase: a large tensor on both nodes, SIGTERM while it runs
-        restart(cl, 0)
+        cl.start_node(0)
         wait_ring_ok(cl)
         for x in d:
             x.send("round 20000000")
