@@ -50,7 +50,7 @@ _local = threading.local()
 
 def _packer() -> msgpack.Packer:
     """This thread's msgpack Packer. msgpack.packb builds a new Packer, with a fresh 1 MiB buffer,
-    for every call: on the data path of a busy daemon that was a sixth of the ring thread's time.
+    for every call: on the data path of a busy daemon that was a sixth of its time holding the GIL.
     A Packer is not thread-safe, hence one per thread (it resets itself after each pack)."""
     p = getattr(_local, "packer", None)
     if p is None:
