@@ -8,6 +8,12 @@ figure is the median of ``--runs`` runs after ``--warmup`` warm-up calls. Beside
 the last node's call to the last node's result on the machine's one monotonic clock (network
 namespaces share it), which leaves out how far apart the barrier released the nodes. algbw = bytes / time,
 busbw = algbw * 2 (N-1) / N (the nccl-tests convention for all-reduce).
+
+Where the time goes: from the marks each daemon puts in a round's stats, the moments after the last
+node's call when the last daemon had its process's buffer, began the data phase (the agreement
+done), finished it, and when the last process had its result (:func:`phases`); and the CPU time of
+one round, all daemons' (every thread, data phase) and all Gloo processes' (the ``all_reduce`` call),
+summed over the nodes.
 """
 from __future__ import annotations
 
