@@ -44,6 +44,22 @@ def test_random_mean_bit_identical_and_accurate(tmp_path):
     assert st["count"] == 3
 
 
+@pytest.mark.timeout(240)
+def test_large_tensor_zero_copy_chunks_bit_identical_and_accurate(tmp_path):
+    """3M float32 on 3 nodes: segments of 4 MB, so full 1 MiB chunks go out zero-copy from the
+    processes' shared memory while the ring keeps writing into the same array (architecture note,
+    step 5); results must still be the same bits everywhere and the exact mean within float32."""
+    n = 3_000_003
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.random_mean, n, 11, "float32", 3, timeout=200)
+    for k in range(3):
+        ref = np.mean([r["inputs"][k].astype(np.float64) for r in res], axis=0)
+        for r in res:
+            assert r["outs"][k].tobytes() == res[0]["outs"][k].tobytes()
+        assert np.max(np.abs(res[0]["outs"][k] - ref)) < 1e-5
+    assert res[0]["stats"][0]["bytes_sent"] >= 2 * 2 / 3 * n * 4
+
+
 @pytest.mark.timeout(180)
 def test_collectives_dtypes_async_buffer(tmp_path):
     with LocalCluster(2, tmp_path, local_size=2) as cl:

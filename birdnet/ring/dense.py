@@ -79,7 +79,7 @@ class _Checker:
         return h
 
 
-def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 256 * 1024,
+def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 1 << 20,
                    wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
                    divide_by: int | None = None) -> np.ndarray:
     """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
