@@ -23,15 +23,23 @@ def ar(path):
 
 def time_split(path, count=11689512):
     d = json.load(open(path))
-    out = ["| count | codec | client time (s) | daemon round (s) | of which codec (s) | runs (s) | Gloo runs (s) |",
-           "|---:|---|---:|---:|---:|---|---|"]
+    cpu = any("daemon_cpu_s" in r for r in d["rows"])
+    out = ["| count | codec | client time (s) | daemon round (s) | of which codec (s) | runs (s) | Gloo runs (s) |"
+           + (" agreement done (ms) | CPU, all daemons / all Gloo (s) |" if cpu else ""),
+           "|---:|---|---:|---:|---:|---|---|" + ("---:|---|" if cpu else "")]
     for r in d["rows"]:
         if r["count"] != count:
             continue
         runs = ", ".join(f"{t:.3f}" for t in r.get("times", []))
         gl = ", ".join(f"{t:.3f}" for t in r.get("gloo_times", [])) or "—"
-        out.append(f"| {r['count']:,} | {r['codec']} | {r['time_s']:.4f} | {r['daemon_round_s']:.4f} "
-                   f"| {r['compress_s']:.4f} | {runs} | {gl} |")
+        line = (f"| {r['count']:,} | {r['codec']} | {r['time_s']:.4f} | {r['daemon_round_s']:.4f} "
+                f"| {r['compress_s']:.4f} | {runs} | {gl} |")
+        if cpu:
+            ph = r.get("phases_s") or {}
+            start = f"{ph['data_start'] * 1e3:.1f}" if "data_start" in ph else "—"
+            g = f"{r['gloo_cpu_s']:.3f}" if "gloo_cpu_s" in r else "—"
+            line += f" {start} | {r['daemon_cpu_s']:.3f} / {g} |"
+        out.append(line)
     return "\n".join(out)
 
 
