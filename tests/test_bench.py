@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,9 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         ph = r["phases_s"]
         assert 0 <= ph["ready"] <= ph["data_start"] <= ph["data_end"] <= ph["result"]
         assert ph["result"] == pytest.approx(r["span_s"])
+        # per run and node; the last node's start of each run is what the median above is taken of
+        assert len(ph["data_starts"]) == 2 and all(len(run) == 2 for run in ph["data_starts"])
+        assert ph["data_start"] == pytest.approx(statistics.median(max(run) for run in ph["data_starts"]))
         assert r["daemon_cpu_s"] > 0
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6

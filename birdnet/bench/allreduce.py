@@ -103,11 +103,12 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tupl
                 [sum(o["cpu"][str(n)][i] for o in outs) for i in range(runs)]) for n in sizes}
 
 
-def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[dict[str, Any]]]) -> dict[str, float]:
+def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Where a round's time goes, medians over the runs, in seconds from the last node's call
     (one monotonic clock): ``ready`` the last daemon has its process's contribution (the hand-off
     in), ``data_start`` the last daemon begins the data phase (the start/go agreement),
-    ``data_end`` the last daemon is done, ``result`` the last process has its result (= span)."""
+    ``data_end`` the last daemon is done, ``result`` the last process has its result (= span);
+    ``data_starts``: per run, when each node began its data phase."""
     out: dict[str, list[float]] = {"ready": [], "data_start": [], "data_end": [], "result": []}
     for i in range(len(marks_per_node[0])):
         t0 = max(m[i][0] for m in marks_per_node)
@@ -118,7 +119,11 @@ def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[di
         out["data_start"].append(max(x["t_data"] for x in st) - t0)
         out["data_end"].append(max(x["t_end"] for x in st) - t0)
         out["result"].append(max(m[i][1] for m in marks_per_node) - t0)
-    return {k: statistics.median(v) for k, v in out.items()}
+    res: dict[str, Any] = {k: statistics.median(v) for k, v in out.items()}
+    # per run, when each node began its data phase (node order), for tracing the agreement
+    res["data_starts"] = [[s[i]["t_data"] - max(m[i][0] for m in marks_per_node) for s in stats_per_node]
+                          for i in range(len(marks_per_node[0]))]
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
