@@ -157,8 +157,9 @@ class RoundRunner:
         total = sum(counts)
         st = rnd.stats
         # monotonic marks (one clock for all the namespaces of a machine): where a round's time goes
+        now = time.monotonic()
         st.update(count=total, codec="none", compress_seconds=0.0, bytes_sent=0, bytes_received=0,
-                  wait_seconds=time.monotonic() - rnd.ready_at, t_ready=rnd.ready_at, t_data=time.monotonic())
+                  wait_seconds=now - rnd.ready_at, t_ready=rnd.ready_at, t_data=now)
         if rnd.kind == "reset":
             st["states_dropped"] = self.states.reset(rnd.job)
             return

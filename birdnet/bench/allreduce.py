@@ -110,20 +110,18 @@ def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[di
     ``data_end`` the last daemon is done, ``result`` the last process has its result (= span);
     ``data_starts``: per run, when each node began its data phase."""
     out: dict[str, list[float]] = {"ready": [], "data_start": [], "data_end": [], "result": []}
+    starts: list[list[float]] = []  # per run, when each node (in node order) began its data phase
     for i in range(len(marks_per_node[0])):
         t0 = max(m[i][0] for m in marks_per_node)
         st = [s[i] for s in stats_per_node]
         if not all("t_ready" in x and "t_data" in x and "t_end" in x for x in st):
             return {}
+        starts.append([x["t_data"] - t0 for x in st])
         out["ready"].append(max(x["t_ready"] for x in st) - t0)
-        out["data_start"].append(max(x["t_data"] for x in st) - t0)
+        out["data_start"].append(max(starts[-1]))
         out["data_end"].append(max(x["t_end"] for x in st) - t0)
         out["result"].append(max(m[i][1] for m in marks_per_node) - t0)
-    res: dict[str, Any] = {k: statistics.median(v) for k, v in out.items()}
-    # per run, when each node began its data phase (node order), for tracing the agreement
-    res["data_starts"] = [[s[i]["t_data"] - max(m[i][0] for m in marks_per_node) for s in stats_per_node]
-                          for i in range(len(marks_per_node[0]))]
-    return res
+    return {**{k: statistics.median(v) for k, v in out.items()}, "data_starts": starts}
 
 
 def main(argv: list[str] | None = None) -> int:
