@@ -65,6 +65,9 @@ class Settings:
     #: cluster-wide when on: go on without a lost node (the ring re-forms among the live nodes once a
     #: majority is live, and takes a returning node back); docs/architecture.md "Elastic mode"
     elastic: bool = False
+    #: cluster-wide: after an agreed round, a job's next dense all-reduce starts without an agreement
+    #: (daemon/engine.py, "the dense lane"); off, every round waits for the leader's start/go
+    dense_lane: bool = True
 
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
                     "nan_policy")
@@ -104,6 +107,9 @@ class Settings:
             # Only when on, so a cluster without it keeps its fingerprint; an elastic node and a
             # non-elastic one speak different ring protocols and must refuse each other, by name.
             cw["elastic"] = True
+        if not self.dense_lane:
+            # likewise only when off: nodes that disagree on it must refuse each other
+            cw["dense_lane"] = False
         return cw
 
 

@@ -36,12 +36,15 @@ MAX_BUFFERS = 64
 
 
 def encode(header: dict[str, Any], buffers: Sequence[Any] = ()) -> list[Any]:
-    """Frames for ``header`` and ``buffers`` (buffers are passed through, not copied)."""
-    views = [memoryview(b).cast("B") if not isinstance(b, (bytes, memoryview)) else memoryview(b).cast("B")
+    """Frames for ``header`` and ``buffers`` (buffers are passed through, not copied). A buffer
+    that is a frame of the transport (anything with a ``buffer`` view, as a received ZeroMQ frame
+    has) stays itself, so the transport can send it on without copying it."""
+    views = [b if hasattr(b, "buffer") and not isinstance(b, memoryview) else memoryview(b).cast("B")
              for b in buffers]
     h = dict(header)
     h["nbuf"] = len(views)
-    h["sizes"] = [v.nbytes for v in views]
+    h["sizes"] = [v.buffer.nbytes if hasattr(v, "buffer") and not isinstance(v, memoryview) else v.nbytes
+                  for v in views]
     return [PROTOCOL_ID, _packer().pack(h), *views]
 
 

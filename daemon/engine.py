@@ -6,6 +6,20 @@ Rounds reach it from the service thread once every local process of the job has 
 passes it on; when the start is back, the leader compares the descriptions and sends ``go`` with its
 verdict. Every node therefore runs the same rounds in the same order, and a disagreement (shape,
 codec, a process that never came) fails the round everywhere with one message instead of hanging.
+
+The dense lane. The agreement costs two trips round the ring before any data moves (3-5 ms on
+4-8 nodes here), which Gloo, whose processes simply start sending, does not pay. So after a job's
+round was agreed, the leader's ``go`` opens a lane for the job's next round: each node starts it the
+moment its processes submit it, if it is a dense all-reduce, and the data carries what the
+agreement would have (the description, checked by the ring; the process counts, summed by it).
+The lane moves on with every lane round. It closes when the leader wants anything else (another
+job's round, or this job's next round is not a dense all-reduce): a ``lane`` message naming the
+round goes round the ring ahead of the leader's next ``start``, and a node already in that round
+gives it up and runs it again once it is agreed. That is safe because a round writes a node's
+buffers only when a message that passed through every node arrives (ring_allreduce keeps its
+partial sums out of them), and the leader sends no data for a round it closed the lane before. Any failure, a
+lost peer or a restarted neighbour closes the lane too; then the job's next round may fail with
+it (docs/architecture.md, "The dense lane").
 """
 from __future__ import annotations
 
@@ -151,10 +165,14 @@ class RoundRunner:
     def __init__(self, settings: Settings, states: StateStore) -> None:
         self.settings, self.states = settings, states
 
-    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int]) -> None:
+    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None,
+            lane: bool = False) -> None:
+        """Run ``rnd``'s data phase. ``counts`` are the agreed process counts per node; a lane round
+        (``lane``: a dense all-reduce started without an agreement, see RingWorker) has none and
+        learns their total from the ring."""
         t0 = time.perf_counter()
         c0 = time.process_time()  # the whole daemon process: ring thread, ZeroMQ I/O thread, service
-        total = sum(counts)
+        total = sum(counts) if counts is not None else len(rnd.parts)
         st = rnd.stats
         # monotonic marks (one clock for all the namespaces of a machine): where a round's time goes
         now = time.monotonic()
@@ -184,7 +202,15 @@ class RoundRunner:
         before_s, before_r = transport.bytes_sent, transport.bytes_received
         mean = d["op"] == "mean" and rnd.kind == "allreduce"
         divided = False
-        if codec_name == "none" or rnd.kind == "broadcast":
+        if lane:
+            learned: dict[str, Any] = {}
+            out = ring_allreduce(transport, x, timeout=self.settings.round_timeout + self.settings.peer_timeout,
+                                 chunk_bytes=self.settings.chunk_bytes, inplace=True,
+                                 tag={"key": rnd.key, **{f: d.get(f) for f in AGREED}},
+                                 count=len(parts), mean=mean, learned=learned)
+            divided = mean
+            total = st["count"] = int(learned["count"])
+        elif codec_name == "none" or rnd.kind == "broadcast":
             # the mean's one division happens inside the ring, on each segment's owner
             divided = mean and dtype.kind == "f"
             out = ring_allreduce(transport, x, timeout=self.settings.peer_timeout,
@@ -297,6 +323,15 @@ class RingWorker(threading.Thread):
         #: jobs whose processes on this node all left and came back (a new incarnation may number its
         #: rounds from 0 again): their aborted keys are dropped. Appended by the service thread.
         self.restarted_jobs: list[str] = []
+        #: (job, seq) of the round that may start here without an agreement (the module docstring)
+        self.lane: tuple[str, int] | None = None
+        self.lane_since = 0  #: net.neighbour_restarts when the lane opened: a restart closes it
+        self.lane_allowed = settings.dense_lane and not settings.elastic and world > 1
+        self.lane_rounds = 0  #: rounds run in the lane
+        self.lanes_given_up = 0  #: lane rounds given up here because the leader closed the lane
+        self.lane_running: str | None = None  #: the lane round in its data phase here
+        if net is not None and self.lane_allowed:
+            net.on_lane = self._on_lane_message
 
     # -- plumbing ---------------------------------------------------------------------------------
     def submit(self, rnd: LocalRound) -> None:
@@ -347,7 +382,8 @@ class RingWorker(threading.Thread):
         holds (or will hold) the same round fails it too instead of waiting for its agreement."""
         self._finish(rnd, error)
         self._remember_failed(rnd.key, type(error).__name__, str(error))
-        self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank)
+        self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank,
+                    cls=None if isinstance(error, PeerLostError) else type(error).__name__)
 
     def _on_abort_elsewhere(self, h: dict[str, Any]) -> None:
         """An ``abort`` (naming its origin ``o``) of a round this node is not running: remember it,
@@ -355,14 +391,19 @@ class RingWorker(threading.Thread):
         key, origin = h.get("k"), h.get("o")
         if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
             return
-        reason = str(h.get("reason"))
-        self._remember_failed(key, "PeerLostError", reason)
+        if self.lane is not None and key.rpartition("/")[0] == self.lane[0]:
+            self._close_lane()  # the node that failed it closed its lane: it will want an agreement
+        from birdnet.daemon.peers import RoundAborted, class_of
+        reason, cls = str(h.get("reason")), class_of(h)
+        self._remember_failed(key, cls or "PeerLostError", reason)
         if key in self.ready:
-            from birdnet.daemon.peers import RoundAborted
-            self._finish(self.ready[key], RoundAborted(reason))
-        self._abort(key, reason, origin=origin)
+            self._finish(self.ready[key], RoundAborted(reason, origin, cls))
+        self._abort(key, reason, origin=origin, cls=cls)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
+        from birdnet.daemon.peers import RoundAborted
+        if isinstance(error, RoundAborted) and error.cls:
+            error = from_wire({"error": error.cls, "message": error.reason})  # the class its origin saw
         self.ready.pop(rnd.key, None)
         if rnd.key in self.order:
             self.order.remove(rnd.key)
@@ -382,6 +423,138 @@ class RingWorker(threading.Thread):
             d["error"] = str(rnd.error)
             d["error_class"] = type(rnd.error).__name__
         return d
+
+    # -- the dense lane ---------------------------------------------------------------------------
+    def _open_lane(self, job: str, seq: int) -> None:
+        self.lane = (job, seq)
+        self.lane_since = self.net.neighbour_restarts
+        # the left neighbour may finish a lane round first and send the next one's data at once
+        self.net.set_lane_keys((f"{job}/{seq}", f"{job}/{seq + 1}"))
+
+    def _close_lane(self) -> None:
+        if self.lane is not None:
+            self.lane = None
+            self.net.set_lane_keys(())
+
+    def _request_close(self, key: str, why: str) -> None:
+        """Ask the leader to close the lane at round ``key`` (a ``lane`` message with ``req``)."""
+        if self.rank == 0:
+            self._leader_close(key)
+            return
+        try:
+            self.net.send({"t": "lane", "k": key, "req": why})
+        except BirdnetError:
+            pass
+
+    def _leader_close(self, key: str) -> None:
+        self._close_lane()
+        try:
+            self.net.send({"t": "lane", "k": key})
+        except BirdnetError:
+            pass  # the right neighbour is lost: its rounds fail by that
+
+    def _on_lane_message(self, h: dict[str, Any]) -> None:
+        """A ``lane`` message, as PeerNet.poll receives it. The leader closed the lane: no round
+        starts here without an agreement until a ``go`` opens it again; pass it on. A request to
+        close it (``req``) travels to the leader, which closes the lane if it has not joined the
+        round yet (if it has, its RoundTransport fails the round: a node will not join it)."""
+        if h.get("req"):
+            if self.rank != 0:
+                try:
+                    self.net.send({"t": "lane", "k": h.get("k"), "req": h.get("req")})
+                except BirdnetError:
+                    pass
+            elif self.lane is not None and self.lane_running is None:
+                self._leader_close(f"{self.lane[0]}/{self.lane[1]}")
+            return
+        self._close_lane()
+        if self.rank != self.world - 1:
+            try:
+                self.net.send({"t": "lane", "k": h.get("k")})
+            except BirdnetError:
+                pass  # the right neighbour is lost: its rounds fail by that
+
+    @staticmethod
+    def _lane_eligible(rnd: LocalRound) -> bool:
+        codec = rnd.desc.get("codec")
+        return (rnd.kind == "allreduce" and rnd.error is None and bool(rnd.parts)
+                and isinstance(codec, dict) and codec.get("codec") == "none")
+
+    def _grant(self, verdicts: list[list[Any]]) -> list[Any] | None:
+        """The lane the leader's ``go`` opens: the next round of the job of an agreed batch."""
+        if not self.lane_allowed or not verdicts or not all(v[1] for v in verdicts):
+            return None
+        jobs = {str(v[0]).rpartition("/")[0] for v in verdicts}
+        seqs = [str(v[0]).rpartition("/")[2] for v in verdicts]
+        if len(jobs) != 1 or not all(x.isdigit() for x in seqs):
+            return None
+        return [jobs.pop(), max(int(x) for x in seqs) + 1]
+
+    def _lane_step(self) -> bool:
+        """Run the lane's round if it is ready here; True when something was done."""
+        assert self.lane is not None
+        job, seq = self.lane
+        key = f"{job}/{seq}"
+        restarted = self.net.restarted_since(self.lane_since)
+        if restarted:
+            # The restarted neighbour knows nothing of the lane and waits for an agreement. Only
+            # the leader may close the lane (it knows whether it joined the round): ask it.
+            self._close_lane()
+            self._request_close(key, restarted)
+            return True
+        gone = self.departed.get(job)
+        if gone is not None and seq >= gone[1] and key not in self.ready:
+            # this node's processes of the job left: the round cannot complete; fail it everywhere
+            why = f"node rank {self.rank}: {gone[0]}"
+            self._close_lane()
+            self._remember_failed(key, "ProcessLostError", why)
+            self._abort(key, why, cls="ProcessLostError")
+            return True
+        rnd = self.ready.get(key)
+        if rnd is None:
+            return False
+        if rnd.error is not None:  # e.g. NaN under nan_policy='reject': fail it everywhere
+            self._close_lane()
+            self._fail_alone(rnd, rnd.error)
+            return True
+        if not self._lane_eligible(rnd):
+            return False  # it waits for the leader, which closes the lane and starts it
+        self._run_lane(rnd, job, seq)
+        return True
+
+    def _run_lane(self, rnd: LocalRound, job: str, seq: int) -> None:
+        from birdnet.daemon.peers import LaneGivenUp, RoundTransport
+        transport = RoundTransport(self.net, rnd.key, self.lane_since, lane=True)
+        transport.on_other_abort = self._on_abort_elsewhere
+        self.lane_running = rnd.key
+        try:
+            self.runner.run(rnd, transport, self.rank, self.world, None, lane=True)
+        except LaneGivenUp:
+            # nothing of the round was written here (see the module docstring): run it once agreed
+            self._close_lane()
+            self.lanes_given_up += 1
+            rnd.stats.clear()
+            if transport.interrupt is not None:
+                self.pending_start = transport.interrupt
+            return
+        except BirdnetError as exc:
+            self._close_lane()
+            self._report(rnd.key, exc)
+            if transport.interrupt is not None:
+                self.pending_start = transport.interrupt
+            self._finish(rnd, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bad round must not take the daemon down
+            log.exception("lane round %s raised", rnd.key)
+            self._close_lane()
+            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
+            self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
+            return
+        finally:
+            self.lane_running = None
+        self.lane_rounds += 1
+        self._open_lane(job, seq + 1)
+        self._finish(rnd)
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -430,12 +603,18 @@ class RingWorker(threading.Thread):
             lost = net.lost()
             # Rounds cannot run while a peer is lost: fail them now, naming the peer.
             if lost:
+                self._close_lane()  # every node learns of the loss; rounds start with an agreement after it
                 for key in list(self.order):
                     rnd = self.ready[key]
                     self._fail_alone(rnd, PeerLostError(
                         f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
                         f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
+            if self.lane is not None and not lost and self._lane_step():
+                continue
             if self.rank == 0 and self.order and not lost:
+                if self.lane is not None:
+                    # something other than the lane's round is next: close the lane ahead of the start
+                    self._leader_close(f"{self.lane[0]}/{self.lane[1]}")
                 rnd = self.ready[self.order[0]]
                 try:
                     self._lead(rnd)
@@ -496,8 +675,8 @@ class RingWorker(threading.Thread):
                 continue
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") == key:
-                from birdnet.daemon.peers import RoundAborted, origin_of
-                raise RoundAborted(str(h.get("reason")), origin_of(h))
+                from birdnet.daemon.peers import RoundAborted, class_of, origin_of
+                raise RoundAborted(str(h.get("reason")), origin_of(h), class_of(h))
             if h.get("t") == want and h.get("k") == key:
                 return h
             if h.get("t") == "abort" and "o" in h:
@@ -508,15 +687,18 @@ class RingWorker(threading.Thread):
                 raise RoundTimeoutError(f"round {key} was abandoned by the leader")
             # anything else is stale (an earlier, failed round)
 
-    def _abort(self, key: str, reason: str, origin: int | None = None) -> None:
+    def _abort(self, key: str, reason: str, origin: int | None = None, cls: str | None = None) -> None:
         """Tell the ring round ``key`` failed. Every abort names its origin (default: this node) and
         travels until it is next to it, through nodes that are not (or no longer) in the round too,
         so a node that has not reached the round yet learns of it (RingWorker.aborted)."""
         origin = self.rank if origin is None else origin
         if (self.rank + 1) % self.world == origin:
             return
+        h = {"t": "abort", "k": key, "reason": reason, "o": origin}
+        if cls:
+            h["c"] = cls
         try:
-            self.net.send({"t": "abort", "k": key, "reason": reason, "o": origin})
+            self.net.send(h)
         except Exception:  # noqa: BLE001
             pass
 
@@ -526,10 +708,15 @@ class RingWorker(threading.Thread):
         from birdnet.daemon.peers import RoundAborted
         if isinstance(exc, RoundAborted) and exc.origin is not None:
             if exc.origin != self.rank:
-                self._remember_failed(key, "PeerLostError", exc.reason)
-                self._abort(key, exc.reason, origin=exc.origin)
-        else:
+                self._remember_failed(key, exc.cls or "PeerLostError", exc.reason)
+                self._abort(key, exc.reason, origin=exc.origin, cls=exc.cls)
+        elif isinstance(exc, RoundAborted):
             self._abort(key, f"rank {self.rank}: {exc}")
+        else:
+            # the class goes along only for errors that are the round's own (a mismatch, bad input):
+            # a node that merely lost its neighbour says so in the reason, and others stay PeerLostError
+            cls = None if isinstance(exc, (PeerLostError, ShutdownError, RoundTimeoutError)) else type(exc).__name__
+            self._abort(key, f"rank {self.rank}: {exc}", cls=cls)
 
     def _check_restarts(self, key: str, since: int) -> None:
         restarted = self.net.restarted_since(since)
@@ -558,13 +745,18 @@ class RingWorker(threading.Thread):
                     raise ProtocolError(f"round {key}: malformed batch in the start message")
                 verdicts.append(self._verdict(item[0], self._check_descs(item[1], item[0])))
             v0 = verdicts[0]
-            self.net.send({"t": "go", "k": key, "ok": v0[1], "err": v0[2], "errc": v0[3], "counts": v0[4],
-                           "more": [list(v) for v in verdicts[1:]]})
+            go = {"t": "go", "k": key, "ok": v0[1], "err": v0[2], "errc": v0[3], "counts": v0[4],
+                  "more": [list(v) for v in verdicts[1:]]}
+            lane = self._grant(verdicts)
+            if lane is not None:
+                go["lane"] = lane
+            self.net.send(go)
         except BirdnetError as exc:
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        self._run_batch(verdicts, RoundTransport, since)
+        if self._run_batch(verdicts, RoundTransport, since) and lane is not None:
+            self._open_lane(lane[0], lane[1])
 
     def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> list[Any]:
         """[key, ok, error message, error class, counts] for one round of a start."""
@@ -575,16 +767,20 @@ class RingWorker(threading.Thread):
             raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
         return [key, problem is None, problem, error_class(descs), counts]
 
-    def _run_batch(self, verdicts: list[list[Any]], transport_cls, since: int) -> None:
+    def _run_batch(self, verdicts: list[list[Any]], transport_cls, since: int) -> bool:
         """Run the agreed rounds in order. Once one fails in its data phase the rest of the batch
-        is failed here and aborted downstream, so no node waits for data that will not come."""
+        is failed here and aborted downstream, so no node waits for data that will not come.
+        True when every round of the batch ran here without an error."""
         self.agreements += 1
         failed: BirdnetError | None = None
+        all_ok = True
         for key, ok, err, errc, counts in verdicts:
             rnd = self.ready.get(key)
             if rnd is None:
+                all_ok = False
                 continue
             if not ok:
+                all_ok = False
                 self._finish(rnd, from_wire({"error": errc or "RoundMismatchError", "message": str(err)}))
             elif failed is not None:
                 self._abort(key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
@@ -592,6 +788,7 @@ class RingWorker(threading.Thread):
                                              "message": f"an earlier round of the same batch failed: {failed}"}))
             else:
                 failed = self._data_phase(rnd, transport_cls(self.net, key, since), [int(c) for c in counts])
+        return all_ok and failed is None
 
     def _check_descs(self, descs: Any, key: str) -> list[tuple[int, dict[str, Any]]]:
         from birdnet.errors import ProtocolError
@@ -607,6 +804,7 @@ class RingWorker(threading.Thread):
         descs = h.get("descs")
         if not isinstance(key, str) or not isinstance(descs, list):
             return
+        self._close_lane()  # a start: the leader is not in the lane (it closed it, or never opened it)
         deadline = time.monotonic() + self.settings.round_timeout
         since = self.net.neighbour_restarts
         # Wait until this node's processes have submitted the round the leader chose. The inbox is
@@ -692,7 +890,10 @@ class RingWorker(threading.Thread):
                     or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
                 v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
                 v[4] = [0] * self.world
-        self._run_batch(verdicts, RoundTransport, since)
+        lane = g.get("lane")
+        if (self._run_batch(verdicts, RoundTransport, since) and self.lane_allowed and isinstance(lane, list)
+                and len(lane) == 2 and isinstance(lane[0], str) and isinstance(lane[1], int)):
+            self._open_lane(lane[0], lane[1])
 
     def _pass_go(self, key: str, since: int) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""

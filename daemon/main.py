@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--elastic", action="store_true", default=None, help="go on without a lost node: after peer_timeout "
       "the ring re-forms among the live nodes (a majority of the hosts file must be live) and takes a "
       "returning node back; `mean` divides by the processes that contributed (cluster-wide: all or none)")
+    a("--no-dense-lane", dest="dense_lane", action="store_false", default=None,
+      help="every round waits for the leader's start/go agreement, also a job's dense all-reduces "
+      "(by default the next one after an agreed round starts at once; cluster-wide: all or none)")
     a("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     a("--version", action="version", version=f"birdnetd {__version__}")
     return p

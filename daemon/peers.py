@@ -21,7 +21,10 @@ type        direction       meaning
                             description when its local processes are ready and passes it on.
 ``go``      left -> right   the leader's verdict after the start came back (ok, or the error).
 ``abort``   left -> right   a node failed the round (lost peer, mismatch); passes the reason on.
-``data``    left -> right   ring-algorithm messages, tagged with the round key ``k``.
+``data``    left -> right   ring-algorithm messages, tagged with the round key ``k`` (and ``ln``
+                            in a lane round, one started without an agreement).
+``lane``    left -> right   the leader closes the dense lane before round ``k``: no node starts it
+                            without an agreement; a node already in it gives it up (RingWorker).
 ==========  ==============  =======================================================================
 
 Liveness: the left neighbour is alive while anything from it arrived within ``peer_timeout``; the
@@ -39,6 +42,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
@@ -86,8 +90,11 @@ def send_frames(sock: zmq.Socket, frames: list[Any], track: bool, nbytes: int):
     last = len(frames) - 1
     for f in frames[:last]:
         sock.send(f, _MORE_NOWAIT, copy=copy)
-    tracker = sock.send(frames[last], _NOWAIT, copy=copy, track=not copy and track and len(frames) > 2)
-    return None if copy else tracker
+    # a zmq.Frame (a received one, sent on: see RoundTransport.send) goes without a copy either way,
+    # and needs no tracker: ZeroMQ owns its memory and counts its references
+    tracked = not copy and track and len(frames) > 2 and not isinstance(frames[last], zmq.Frame)
+    tracker = sock.send(frames[last], _NOWAIT, copy=copy, track=tracked)
+    return tracker if tracked else None
 
 
 def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
@@ -102,16 +109,23 @@ def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
 class RoundAborted(PeerLostError):
     """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
     fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
-    first) until it is back next to its origin; the next round starts normally."""
+    first) until it is back next to its origin; the next round starts normally. ``cls`` is the
+    error class the origin failed the round with, when it was not a lost peer (a lane round whose
+    descriptions differ fails with RoundMismatchError on every node)."""
 
-    def __init__(self, reason: str, origin: int | None = None) -> None:
+    def __init__(self, reason: str, origin: int | None = None, cls: str | None = None) -> None:
         super().__init__(reason)
-        self.reason, self.origin = reason, origin
+        self.reason, self.origin, self.cls = reason, origin, cls
 
 
 def origin_of(abort: dict[str, Any]) -> int | None:
     o = abort.get("o")
     return o if isinstance(o, int) and not isinstance(o, bool) else None
+
+
+def class_of(abort: dict[str, Any]) -> str | None:
+    c = abort.get("c")
+    return c if isinstance(c, str) and c.isidentifier() and c.endswith("Error") else None
 
 
 def _resolve(host: str) -> str:
@@ -159,6 +173,14 @@ class PeerNet:
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
+        #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
+        #: that finished a lane round goes on to the next at once. Their messages wait here.
+        self.lane_keys: tuple[str, ...] = ()
+        self._early: dict[str, deque[dict]] = {}
+        #: the round a RoundTransport is reading (its own lane data is not put aside)
+        self.reading: str | None = None
+        #: called with a ``lane`` message as it arrives (the ring worker closes its lane, passes it on)
+        self.on_lane: Any = None
         self.router = ctx.socket(zmq.ROUTER)
         self.dealer = ctx.socket(zmq.DEALER)
         for s in (self.router, self.dealer):
@@ -322,9 +344,38 @@ class PeerNet:
                    "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost())})
 
     # -- receiving -------------------------------------------------------------------------------
+    def set_lane_keys(self, keys: tuple[str, ...]) -> None:
+        """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
+        self.lane_keys = keys
+        for k in [k for k in self._early if k not in keys]:
+            del self._early[k]
+
+    def take_early(self, key: str) -> dict | None:
+        q = self._early.get(key)
+        return q.popleft() if q else None
+
     def poll(self, timeout: float) -> dict | None:
         """Wait up to ``timeout`` s for one message that matters to the caller (start, go, abort,
-        data) and return ``{"h": header, "b": buffers}``; pings, pongs and garbage are handled here."""
+        data, lane) and return ``{"h": header, "b": buffers}``; pings, pongs and garbage are handled
+        here, and a lane round's data that came before this node runs the round is kept for it."""
+        msg = self._poll_once(timeout)
+        if msg is None:
+            return None
+        h = msg["h"]
+        if h.get("t") == "data" and h.get("ln"):
+            k = h.get("k")
+            if k != self.reading:
+                if k in self.lane_keys:
+                    self._early.setdefault(k, deque()).append(msg)
+                # else: a lane round this node gave up or never had (dropped, like stale data).
+                # Return rather than wait on: the same poll may have taken the service thread's
+                # wake-up (a round handed over), which the caller must see now, not a poll later.
+                return None
+        elif h.get("t") == "lane" and self.on_lane is not None:
+            self.on_lane(h)
+        return msg
+
+    def _poll_once(self, timeout: float) -> dict | None:
         deadline = time.monotonic() + timeout
         while True:
             self.maybe_ping()
@@ -400,7 +451,7 @@ class PeerNet:
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
             return None
-        if t not in ("start", "go", "abort", "data"):
+        if t not in ("start", "go", "abort", "data", "lane"):
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
         if identity != self.left_identity:
@@ -515,12 +566,32 @@ class PeerNet:
         self._reply(identity, {"t": "pong", "rank": self.rank})
 
 
+def _as_frame(b: Any) -> Any:
+    """The received ZeroMQ frame a numpy array views whole (the ring sums into received buffers
+    and forwards them), else the array itself. A frame is sent on without a copy (send_frames):
+    7 of 8 messages of an 8-node dense round are such, 500 KB each for 1M float32."""
+    base = getattr(b, "base", None)
+    if isinstance(b, np.ndarray) and isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame):
+        if b.nbytes == base.nbytes == base.obj.buffer.nbytes and b.flags.c_contiguous:
+            return base.obj
+    return b
+
+
+class LaneGivenUp(Exception):
+    """A lane round this node started is not going to run as one (the leader closed the lane, or
+    started an agreement). No node can have written the round's buffers yet: the ring worker puts
+    it back and runs it again when the leader starts it. Internal to the daemon."""
+
+
 class RoundTransport:
     """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
     messages with the round key, drops stale ones, notices aborts and lost peers."""
 
-    def __init__(self, net: PeerNet, key: str, restarts_at: int | None = None) -> None:
+    def __init__(self, net: PeerNet, key: str, restarts_at: int | None = None, lane: bool = False) -> None:
         self.net, self.key = net, key
+        #: a lane round (started without an agreement): its messages say so, and waiting for data
+        #: is waiting for the other nodes' processes too (round_timeout, not peer_timeout)
+        self.lane = lane
         #: net.neighbour_restarts when the round's agreement began: a change fails the round
         self.restarts_at = net.neighbour_restarts if restarts_at is None else restarts_at
         self.rank, self.world = net.rank, net.world
@@ -534,8 +605,10 @@ class RoundTransport:
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
         h["k"] = self.key
+        if self.lane:
+            h["ln"] = 1
         before = self.net.bytes_sent
-        tracker = self.net.send(h, buffers, track=True)
+        tracker = self.net.send(h, [_as_frame(b) for b in buffers], track=True)
         if tracker is not None:
             self.trackers.append(tracker)
         self.bytes_sent += self.net.bytes_sent - before
@@ -558,6 +631,19 @@ class RoundTransport:
         self.trackers.clear()
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        if self.lane:
+            early = self.net.take_early(self.key)
+            if early is not None:
+                self.bytes_received += sum(b.nbytes for b in early["b"])
+                return early["h"], early["b"]
+            self.net.reading = self.key
+            try:
+                return self._recv(deadline)
+            finally:
+                self.net.reading = None
+        return self._recv(deadline)
+
+    def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         while True:
             if self.net.stopping:
                 from birdnet.errors import ShutdownError
@@ -570,6 +656,11 @@ class RoundTransport:
                 raise PeerLostError(f"round {self.key} cannot complete: {restarted} during it")
             now = time.monotonic()
             if now >= deadline:
+                if self.lane:
+                    from birdnet.errors import RoundTimeoutError
+                    raise RoundTimeoutError(
+                        f"round {self.key} did not complete within round_timeout="
+                        f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
                 raise PeerLostError(
                     f"no data from left neighbour rank {self.net.left.rank} ({self.net.left.address}) for "
                     f"round {self.key} within {self.net.settings.peer_timeout} s")
@@ -579,14 +670,29 @@ class RoundTransport:
                 continue
             h = msg["h"]
             if h.get("t") == "abort" and h.get("k") in (self.key, None):
-                raise RoundAborted(str(h.get("reason")), origin_of(h))
+                raise RoundAborted(str(h.get("reason")), origin_of(h), class_of(h))
             if h.get("t") == "abort" and "o" in h and self.on_other_abort is not None:
                 self.on_other_abort(h)
+                other = h.get("k")
+                if self.lane and isinstance(other, str) and other.rpartition("/")[0] == self.key.rpartition("/")[0]:
+                    # another round of this job failed somewhere: the node that failed it closed its
+                    # lane and will not join this round without an agreement
+                    raise RoundAborted(f"round {self.key} cannot run without an agreement: round {other} "
+                                       f"failed ({h.get('reason')})")
                 continue
             if h.get("t") == "start":
                 self.interrupt = msg
+                if self.lane:  # the leader is not in the lane: it never joined this round
+                    raise LaneGivenUp(self.key)
                 raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
-            if h.get("t") != "data" or h.get("k") != self.key:
-                continue  # stale: a message of an earlier, failed round
+            if h.get("t") == "lane":
+                if self.lane and h.get("req") and self.rank == 0:
+                    # a node asks the leader to close the lane, and the leader is in the round already
+                    raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
+                if self.lane and h.get("k") == self.key and not h.get("req"):
+                    raise LaneGivenUp(self.key)
+                continue
+            if h.get("t") != "data" or h.get("k") != self.key or bool(h.get("ln")) != self.lane:
+                continue  # stale: a message of an earlier, failed round (or a lane round given up)
             self.bytes_received += self.net.bytes_received - before
             return h, msg["b"]

@@ -525,6 +525,7 @@ class Daemon:
                      for name, j in self.jobs.items()},
             "rounds_done": w.rounds_done if w else 0, "rounds_failed": w.rounds_failed if w else 0,
             "round_agreements": w.agreements if w else 0,
+            "lane_rounds": w.lane_rounds if w else 0, "lane_rounds_given_up": w.lanes_given_up if w else 0,
             "last_round_seconds": w.last_round_seconds if w else 0.0,
             **self.figures.snapshot(),
             "bytes_sent": self.net.bytes_sent if self.net else 0,

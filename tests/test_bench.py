@@ -44,6 +44,7 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         # per run and node; the last node's start of each run is what the median above is taken of
         assert len(ph["data_starts"]) == 2 and all(len(run) == 2 for run in ph["data_starts"])
         assert ph["data_start"] == pytest.approx(statistics.median(max(run) for run in ph["data_starts"]))
+        assert 0 <= ph["handoff_in"] <= ph["result"] and 0 <= ph["handoff_out"] <= ph["result"]
         assert r["daemon_cpu_s"] > 0
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6

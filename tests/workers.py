@@ -103,3 +103,29 @@ def batch_of_async_rounds(sock, node, local, count, bad_index):
             except Exception as exc:  # noqa: BLE001
                 out.append((type(exc).__name__, str(exc)))
         return out, c.status()
+
+
+def lane_rounds(sock, node, local, plan, n=1000, job="default", delay_before=None, bad=None):
+    """Calls one after another, as a training loop makes them: ``plan`` is a list of "dense",
+    "barrier" or "marsit"; each all-reduce is the mean of seeded random data (the same seeds on every
+    node, so the caller can recompute it). ``delay_before`` = (node, call index, seconds): that node
+    sleeps before that call. ``bad`` = (node, call index): that node submits another shape there.
+    Returns [(kind, result or (error class, message))], and the daemon's status."""
+    import time
+    with Client(sock, job=job) as c:
+        out = []
+        for i, what in enumerate(plan):
+            if delay_before is not None and delay_before[0] == node and delay_before[1] == i:
+                time.sleep(delay_before[2])
+            try:
+                if what == "barrier":
+                    c.barrier()
+                    out.append(("ok", None))
+                    continue
+                size = n - 1 if bad is not None and bad == (node, i) else n
+                x = np.random.default_rng([i, c.rank]).standard_normal(size).astype(np.float32)
+                codec = "marsit" if what == "marsit" else None
+                out.append(("ok", c.allreduce(x, name=f"{job}-w", codec=codec, timeout=60)))
+            except Exception as exc:  # noqa: BLE001 - the test looks at the class and message
+                out.append((type(exc).__name__, str(exc)))
+        return out, c.status()

@@ -108,8 +108,12 @@ def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[di
     (one monotonic clock): ``ready`` the last daemon has its process's contribution (the hand-off
     in), ``data_start`` the last daemon begins the data phase (the start/go agreement),
     ``data_end`` the last daemon is done, ``result`` the last process has its result (= span);
-    ``data_starts``: per run, when each node began its data phase."""
+    ``data_starts``: per run, when each node began its data phase; ``handoff_in`` / ``handoff_out``:
+    medians over nodes and runs of one node's call to its daemon having the buffer, and of its
+    daemon's end of the round to the process having the result."""
     out: dict[str, list[float]] = {"ready": [], "data_start": [], "data_end": [], "result": []}
+    hand_in: list[float] = []
+    hand_out: list[float] = []
     starts: list[list[float]] = []  # per run, when each node (in node order) began its data phase
     for i in range(len(marks_per_node[0])):
         t0 = max(m[i][0] for m in marks_per_node)
@@ -117,11 +121,14 @@ def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[di
         if not all("t_ready" in x and "t_data" in x and "t_end" in x for x in st):
             return {}
         starts.append([x["t_data"] - t0 for x in st])
+        hand_in += [x["t_ready"] - m[i][0] for x, m in zip(st, marks_per_node)]
+        hand_out += [m[i][1] - x["t_end"] for x, m in zip(st, marks_per_node)]
         out["ready"].append(max(x["t_ready"] for x in st) - t0)
         out["data_start"].append(max(starts[-1]))
         out["data_end"].append(max(x["t_end"] for x in st) - t0)
         out["result"].append(max(m[i][1] for m in marks_per_node) - t0)
-    return {**{k: statistics.median(v) for k, v in out.items()}, "data_starts": starts}
+    return {**{k: statistics.median(v) for k, v in out.items()}, "data_starts": starts,
+            "handoff_in": statistics.median(hand_in), "handoff_out": statistics.median(hand_out)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs-gloo", action="store_true", help="torch.distributed/Gloo on the same links, same run")
     p.add_argument("--no-check", action="store_true", help="skip the error against the exact mean")
     p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--no-dense-lane", action="store_true",
+                   help="daemons agree on every round (birdnetd --no-dense-lane), for comparison")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="FILE.png")
     a = p.parse_args(argv)
@@ -151,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     gloo: dict[int, tuple[list[float], list[float], list[float]]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
+    if a.no_dense_lane:
+        extra.append("--no-dense-lane")
     slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}  # generous: 8 nodes share 2 cores
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="birdnet-bench-") as tmp:
@@ -256,14 +267,16 @@ def main(argv: list[str] | None = None) -> int:
                 line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f}"
             print(line)
         print("# where the time goes (ms after the last node's call; medians): hand-off in, agreement, "
-              "data phase, hand-off out; CPU of one round's data phase summed over all daemons / Gloo processes")
-        print(f"{'count':>10} {'codec':<28} {'ready':>7} {'start':>7} {'data end':>9} {'result':>7} {'cpu ms':>7}"
-              + (f" {'gloo cpu':>9}" if gloo else ""))
+              "data phase, hand-off out; one node's hand-offs in and out (medians over nodes and runs); "
+              "CPU of one round's data phase summed over all daemons / Gloo processes")
+        print(f"{'count':>10} {'codec':<28} {'ready':>7} {'start':>7} {'data end':>9} {'result':>7} {'in':>5} "
+              f"{'out':>5} {'cpu ms':>7}" + (f" {'gloo cpu':>9}" if gloo else ""))
         for r in rows:
             ph = r["phases_s"] or {}
             line = (f"{r['count']:>10} {r['codec']:<28} " + " ".join(
                 f"{ph.get(k, float('nan')) * 1e3:>{w}.1f}" for k, w in
-                (("ready", 7), ("data_start", 7), ("data_end", 9), ("result", 7)))
+                (("ready", 7), ("data_start", 7), ("data_end", 9), ("result", 7), ("handoff_in", 5),
+                 ("handoff_out", 5)))
                 + f" {r['daemon_cpu_s'] * 1e3:>7.1f}")
             if "gloo_cpu_s" in r:
                 line += f" {r['gloo_cpu_s'] * 1e3:>9.1f}"

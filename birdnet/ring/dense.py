@@ -70,7 +70,8 @@ class _Checker:
             diffs = [f"{k}: rank {left} has {(their or {}).get(k)!r}, rank {self.rank} has {self.tag.get(k)!r}"
                      for k in sorted(set(self.tag) | set(their or {}))
                      if (their or {}).get(k) != self.tag.get(k)]
-            self.error = "nodes disagree on the round: " + "; ".join(diffs)
+            what = f" for tensor {self.tag['name']!r}" if "name" in self.tag else ""
+            self.error = f"nodes disagree on the round{what}: " + "; ".join(diffs)
 
     def header(self, phase: str, step: int, chunk: int) -> dict[str, Any]:
         h: dict[str, Any] = {"t": "data", "p": phase, "s": step, "c": chunk, "tag": self.tag}
@@ -81,7 +82,8 @@ class _Checker:
 
 def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 1 << 20,
                    wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
-                   divide_by: int | None = None) -> np.ndarray:
+                   divide_by: int | None = None, count: int | None = None, mean: bool = False,
+                   learned: dict[str, Any] | None = None) -> np.ndarray:
     """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
 
     ``timeout`` is the longest wait for any one message (a sign of life of the left neighbour).
@@ -91,12 +93,28 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
     same bits on every node, and each node divides 1/world of the vector instead of all of it.
     Raises :class:`RoundMismatchError` when nodes disagree on ``tag``,
     :class:`~birdnet.errors.PeerLostError` when a neighbour stays silent.
+
+    Rounds that start without an agreement (the daemon's dense lane) do not know how many processes
+    contribute: with ``count`` (this node's processes) every reduce-scatter message carries the
+    processes summed into it so far, so each segment's owner learns the total before it finishes
+    the segment (``mean`` then divides by it), and the all-gather passes the total on; it is stored
+    in ``learned["count"]``.
+
+    ``x`` is first written when a segment is finished here, which needs a message that has passed
+    through every other node: the partial sums of the reduce-scatter go into the received buffer
+    (or a new one), not into ``x``. So until every node has joined the round, it can be given up and
+    run again with ``x`` as it was. It also saves a copy: a received ZeroMQ frame, summed in place,
+    goes on as it is (RoundTransport.send).
     """
     if x.ndim != 1:
         raise ValueError("ring_allreduce takes a 1-D array")
     out = x if inplace else x.copy()
     r, world = transport.rank, transport.world
+    if count is not None and world == 1:
+        divide_by = count if mean else divide_by
     div = out.dtype.type(divide_by) if divide_by is not None else None
+    if learned is not None and count is not None:
+        learned["count"] = count
     if world == 1:
         if wire_dtype is not None and np.dtype(wire_dtype) != out.dtype:
             out[:] = out.astype(wire_dtype)
@@ -113,42 +131,76 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
     def encode(a: int, b: int) -> np.ndarray:
         return out[a:b].astype(wdt) if narrow else out[a:b]
 
-    def receive(phase: str, step: int, ci: int, a: int, b: int) -> np.ndarray:
+    def receive(phase: str, step: int, ci: int, a: int, b: int) -> tuple[dict[str, Any], np.ndarray]:
         header, bufs = transport.recv(time.monotonic() + timeout)
         checker.check(header, phase, step, ci)
         if len(bufs) != 1 or bufs[0].nbytes != (b - a) * wdt.itemsize:
+            if checker.error:  # e.g. another shape: say so, not just that the sizes differ
+                raise RoundMismatchError(checker.error)
             raise ProtocolError(f"ring {phase} step {step} chunk {ci}: expected {(b - a) * wdt.itemsize} "
                                 f"bytes from rank {(r - 1) % world}, got {[v.nbytes for v in bufs]}")
-        return np.frombuffer(bufs[0], dtype=wdt)
+        return header, np.frombuffer(bufs[0], dtype=wdt)
 
+    def header(phase: str, step: int, ci: int, n: int | None) -> dict[str, Any]:
+        h = checker.header(phase, step, ci)
+        if n is not None:
+            h["n"] = n
+        return h
+
+    def counted(h: dict[str, Any], what: str) -> int:
+        n = h.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1 << 30:
+            raise ProtocolError(f"ring {what}: bad process count {n!r} from rank {(r - 1) % world}")
+        return n
+
+    total = None
     # Reduce-scatter. Step 0 sends this rank's own segment right away (ZeroMQ queues it).
     for ci, (a, b) in enumerate(chunks[r]):
-        transport.send(checker.header("rs", 0, ci), [encode(a, b)])
+        transport.send(header("rs", 0, ci, count), [encode(a, b)])
     for s in range(world - 1):
         seg = (r - s - 1) % world
-        last = s == world - 2
         for ci, (a, b) in enumerate(chunks[seg]):
-            incoming = receive("rs", s, ci, a, b)
+            h, incoming = receive("rs", s, ci, a, b)
+            n = counted(h, f"rs step {s}") + count if count is not None else None
+            if s < world - 2:
+                # the partial sum, out + incoming (the same bits either way round: IEEE addition
+                # commutes), goes into the received buffer when it is writable, else a new one
+                if narrow:
+                    acc = np.add(out[a:b], incoming.astype(out.dtype)).astype(wdt)
+                elif incoming.flags.writeable:
+                    acc = np.add(incoming, out[a:b], out=incoming)
+                else:
+                    acc = np.add(incoming, out[a:b])
+                transport.send(header("rs", s + 1, ci, n), [acc])
+                continue
+            # segment finished here: round to the wire dtype so all ranks agree, then gather
             if narrow:
                 out[a:b] += incoming.astype(out.dtype)
             else:
                 out[a:b] += incoming
-            if last:  # segment finished here: round to the wire dtype so all ranks agree, then gather
-                if div is not None:
-                    np.divide(out[a:b], div, out=out[a:b])
-                if narrow:
-                    out[a:b] = out[a:b].astype(wdt)
-                transport.send(checker.header("ag", 0, ci), [encode(a, b)])
-            else:
-                transport.send(checker.header("rs", s + 1, ci), [encode(a, b)])
+            if n is not None:
+                total = n
+                if mean:
+                    div = out.dtype.type(n)
+            if div is not None:
+                np.divide(out[a:b], div, out=out[a:b])
+            if narrow:
+                out[a:b] = out[a:b].astype(wdt)
+            transport.send(header("ag", 0, ci, total), [encode(a, b)])
     # All-gather: receive finished segments and pass them on.
     for s in range(world - 1):
         seg = (r - s) % world
         for ci, (a, b) in enumerate(chunks[seg]):
-            incoming = receive("ag", s, ci, a, b)
+            h, incoming = receive("ag", s, ci, a, b)
+            if count is not None and counted(h, f"ag step {s}") != total:
+                # every segment's owner summed the same nodes' counts; a difference is a broken peer
+                raise ProtocolError(f"ring ag step {s}: rank {(r - 1) % world} counted {h.get('n')!r} "
+                                    f"processes, this node {total}")
             out[a:b] = incoming
             if s < world - 2:
-                transport.send(checker.header("ag", s + 1, ci), [incoming])
+                transport.send(header("ag", s + 1, ci, total), [incoming])
+    if learned is not None and total is not None:
+        learned["count"] = total
     if checker.error:
         raise RoundMismatchError(checker.error)
     return out

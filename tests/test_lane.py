@@ -1,0 +1,142 @@
+"""The dense lane (daemon/engine.py): a job's dense all-reduces after an agreed round start without
+an agreement. Real daemons on loopback; every result is checked against the mean computed here and
+for bit-identity across nodes; the daemons' counters say which rounds ran in the lane."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import workers
+from cluster import LocalCluster
+
+from birdnet.errors import PeerLostError
+from birdnet.ring.dense import ring_allreduce
+from birdnet.ring.transport import MemoryRing
+
+
+def expected_mean(i: int, size: int, n: int) -> np.ndarray:
+    """What lane_rounds' call ``i`` averages: seeded data of every global rank, summed in float64."""
+    acc = np.zeros(n, np.float64)
+    for r in range(size):
+        acc += np.random.default_rng([i, r]).standard_normal(n).astype(np.float32)
+    return acc / size
+
+
+def check_results(res, plan, size, n, skip=()):
+    outs = [out for out, _status in res]
+    for i, what in enumerate(plan):
+        if what == "barrier" or i in skip:
+            continue
+        first = outs[0][i]
+        assert first[0] == "ok", first
+        for o in outs[1:]:  # bit-identical on every node and process
+            assert o[i][0] == "ok", o[i]
+            assert np.array_equal(o[i][1], first[1])
+        if what == "dense":
+            np.testing.assert_allclose(first[1], expected_mean(i, size, n), rtol=0, atol=1e-5)
+
+
+def test_counts_travel_with_the_data_and_the_mean_is_the_agreed_one():
+    """ring_allreduce with ``count`` (no agreement) gives the same bits as with the agreed total."""
+    world, n = 4, 10_007
+    xs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(world)]
+    counts = [1, 3, 2, 2]
+    learned = [dict() for _ in range(world)]
+    ring = MemoryRing(world)
+    got = ring.run(lambda t: ring_allreduce(t, xs[t.rank].copy(), timeout=10, chunk_bytes=4096, count=counts[t.rank],
+                                            mean=True, learned=learned[t.rank]))
+    ring = MemoryRing(world)
+    agreed = ring.run(lambda t: ring_allreduce(t, xs[t.rank].copy(), timeout=10, chunk_bytes=4096,
+                                               divide_by=sum(counts)))
+    for r in range(world):
+        assert learned[r]["count"] == sum(counts)
+        assert np.array_equal(got[r], agreed[r])
+
+
+def test_a_round_writes_nothing_until_every_node_has_joined():
+    """Without rank 0 the others cannot finish a segment, so their buffers stay as they were
+    (what makes giving a lane round up safe), though they exchange partial sums among themselves."""
+    world, n = 4, 4096
+    xs = [np.full(n, float(r + 1), np.float32) for r in range(world)]
+    ring = MemoryRing(world)
+
+    def node(t):
+        if t.rank == 0:
+            return None  # the leader never joins
+        try:
+            ring_allreduce(t, xs[t.rank], timeout=1.0, chunk_bytes=1024, inplace=True, count=1)
+        except PeerLostError:
+            return "timed out"
+    assert ring.run(node, timeout=30) == [None, "timed out", "timed out", "timed out"]
+    assert sum(len(t.messages_sent) for t in ring.transports) > world  # partial sums did travel
+    for r in range(world):
+        assert np.all(xs[r] == r + 1)
+
+
+@pytest.mark.timeout(180)
+def test_a_jobs_dense_rounds_run_in_the_lane(tmp_path):
+    plan = ["dense"] * 8
+    # 2 processes per node (the counts travel with the data); small chunks: many messages per
+    # segment, so a fast neighbour's next-round data arrives early and must be kept for it
+    with LocalCluster(3, tmp_path, local_size=2, extra=["--chunk-bytes", "65536"]) as cl:
+        res = cl.run(workers.lane_rounds, plan, 100_000)
+    check_results(res, plan, 6, 100_000)
+    for _out, st in res:
+        assert st["lane_rounds"] == len(plan) - 1  # the first round is agreed, it opens the lane
+        assert st["round_agreements"] == 1
+        assert st["rounds_failed"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_the_lane_closes_for_other_rounds_and_opens_again(tmp_path):
+    plan = ["dense", "dense", "barrier", "dense", "marsit", "dense", "dense"]
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.lane_rounds, plan, 5000)
+    check_results(res, plan, 3, 5000)
+    for _out, st in res:
+        # agreed: calls 0, 2 (barrier), 4 (marsit); each opens the lane for the next call
+        assert st["lane_rounds"] == 4
+        assert st["round_agreements"] == 3
+
+
+@pytest.mark.timeout(180)
+def test_no_dense_lane_agrees_every_round(tmp_path):
+    plan = ["dense"] * 4
+    with LocalCluster(3, tmp_path, extra=["--no-dense-lane"]) as cl:
+        res = cl.run(workers.lane_rounds, plan, 5000)
+    check_results(res, plan, 3, 5000)
+    for _out, st in res:
+        assert st["lane_rounds"] == 0
+        assert st["round_agreements"] == len(plan)
+
+
+@pytest.mark.timeout(180)
+def test_a_mismatch_in_the_lane_fails_on_every_node_and_the_next_round_is_agreed(tmp_path):
+    plan = ["dense"] * 4
+    with LocalCluster(3, tmp_path) as cl:
+        res = cl.run(workers.lane_rounds, plan, 5000, "default", None, (2, 1))
+    check_results(res, plan, 3, 5000, skip={1})
+    for out, st in res:
+        kind, msg = out[1]
+        assert kind == "RoundMismatchError", out[1]
+        assert "shape" in msg and "default-w" in msg
+        assert st["rounds_failed"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_lane_round_given_up_for_another_job_runs_later_with_its_inputs_intact(tmp_path):
+    """Nodes 1 and 2 start job A's call 1 in the lane; the leader's process of A comes 1.5 s
+    late, and job B's round is ready at the leader first: the leader closes the lane, nodes 1 and
+    2 give the round up, B runs, then A's call 1 is agreed; its result is the mean of the inputs
+    as they were (nothing of the abandoned attempt was written into them)."""
+    import time
+    plan = ["dense", "dense", "dense"]
+    with LocalCluster(3, tmp_path) as cl:
+        a = cl.run_async(workers.lane_rounds, plan, 20_000, "A", (0, 1, 1.5))
+        time.sleep(0.8)
+        b = cl.run_async(workers.lane_rounds, ["dense", "dense"], 3000, "B")
+        res_b = b.get(60)
+        res_a = a.get(60)
+    check_results(res_a, plan, 3, 20_000)
+    check_results(res_b, ["dense", "dense"], 3, 3000)
+    given_up = [st["lane_rounds_given_up"] for _o, st in res_a]
+    assert given_up[0] == 0 and given_up[1] >= 1 and given_up[2] >= 1, given_up
