@@ -715,7 +715,7 @@ class RingWorker(threading.Thread):
         else:
             # the class goes along only for errors that are the round's own (a mismatch, bad input):
             # a node that merely lost its neighbour says so in the reason, and others stay PeerLostError
-            cls = None if isinstance(exc, (PeerLostError, ShutdownError, RoundTimeoutError)) else type(exc).__name__
+            cls = None if isinstance(exc, (PeerLostError, ShutdownError)) else type(exc).__name__
             self._abort(key, f"rank {self.rank}: {exc}", cls=cls)
 
     def _check_restarts(self, key: str, since: int) -> None:

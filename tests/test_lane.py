@@ -140,3 +140,17 @@ def test_a_lane_round_given_up_for_another_job_runs_later_with_its_inputs_intact
     check_results(res_b, ["dense", "dense"], 3, 3000)
     given_up = [st["lane_rounds_given_up"] for _o, st in res_a]
     assert given_up[0] == 0 and given_up[1] >= 1 and given_up[2] >= 1, given_up
+
+
+@pytest.mark.timeout(180)
+def test_a_lane_round_a_process_never_submits_times_out_everywhere(tmp_path):
+    """Node 2's process is 9 s late for call 1; the others are in the lane round and give up
+    after round_timeout (2 s here) + peer_timeout (4 s), with RoundTimeoutError; node 2's late
+    call fails at once with the same error (the round was aborted everywhere)."""
+    plan = ["dense", "dense"]
+    with LocalCluster(3, tmp_path, extra=["--round-timeout", "2"]) as cl:
+        res = cl.run(workers.lane_rounds, plan, 5000, "default", (2, 1, 9.0))
+    for node, (out, _st) in enumerate(res):
+        kind, msg = out[1]
+        assert kind == "RoundTimeoutError" and "round_timeout" in msg, (node, out[1])
+    check_results(res, plan, 3, 5000, skip={1})
