@@ -29,7 +29,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, j in jobs.items():
         pids = ", ".join(f"local rank {p['local_rank']} pid {p['pid']}" for p in j["processes"])
         print(f"  {name}: {pids}")
-    print(f"rounds done {st['rounds_done']}, failed {st['rounds_failed']}, last round {st['last_round_seconds']:.4f} s")
+    print(f"rounds done {st['rounds_done']}, failed {st['rounds_failed']}, last round {st['last_round_seconds']:.4f} s; "
+          f"start/go agreements {st.get('round_agreements', 0)}, in the dense lane {st.get('lane_rounds', 0)} "
+          f"(given up {st.get('lane_rounds_given_up', 0)})")
     print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
     ratio = st.get("last_ratio")
     print(f"last compression ratio {ratio:.1f}" if ratio is not None else "last compression ratio -",

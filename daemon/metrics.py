@@ -11,6 +11,8 @@ metric                                 type       meaning
 ``birdnet_uptime_seconds``             gauge      seconds since the daemon started
 ``birdnet_rounds_total``               counter    rounds completed on this node (all kinds)
 ``birdnet_rounds_failed_total``        counter    rounds that failed (mismatch, lost peer, timeout, ...)
+``birdnet_lane_rounds_total``          counter    rounds run in the dense lane (without an agreement)
+``birdnet_lane_given_up_total``        counter    lane rounds given up here (the leader closed the lane)
 ``birdnet_bytes_sent_total``           counter    bytes sent to a peer (labels rank, address: the right
                                                   neighbour, the only peer a ring node sends to)
 ``birdnet_bytes_received_total``       counter    bytes received from a peer (the left neighbour)
@@ -194,6 +196,11 @@ class MetricsServer:
                [({}, w.rounds_done if w else 0)])
         family("birdnet_rounds_failed_total", "counter", "Rounds that failed on this node.",
                [({}, w.rounds_failed if w else 0)])
+        family("birdnet_lane_rounds_total", "counter", "Rounds run in the dense lane (without an agreement).",
+               [({}, getattr(w, "lane_rounds", 0))])
+        family("birdnet_lane_given_up_total", "counter",
+               "Lane rounds given up here because the leader closed the lane (run again once agreed).",
+               [({}, getattr(w, "lanes_given_up", 0))])
         # A ring node sends only to its right neighbour and receives only from its left one, so the
         # transport's totals are per peer.
         sent: list[tuple[dict[str, Any], float]] = []

@@ -177,6 +177,7 @@ class PeerNet:
         #: that finished a lane round goes on to the next at once. Their messages wait here.
         self.lane_keys: tuple[str, ...] = ()
         self._early: dict[str, deque[dict]] = {}
+        self._early_bytes = 0  #: bounded by max_message_bytes (a left neighbour is one round ahead at most)
         #: the round a RoundTransport is reading (its own lane data is not put aside)
         self.reading: str | None = None
         #: called with a ``lane`` message as it arrives (the ring worker closes its lane, passes it on)
@@ -348,11 +349,15 @@ class PeerNet:
         """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
         self.lane_keys = keys
         for k in [k for k in self._early if k not in keys]:
-            del self._early[k]
+            self._early_bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._early.pop(k))
 
     def take_early(self, key: str) -> dict | None:
         q = self._early.get(key)
-        return q.popleft() if q else None
+        if not q:
+            return None
+        msg = q.popleft()
+        self._early_bytes -= sum(b.nbytes for b in msg["b"])
+        return msg
 
     def poll(self, timeout: float) -> dict | None:
         """Wait up to ``timeout`` s for one message that matters to the caller (start, go, abort,
@@ -365,8 +370,12 @@ class PeerNet:
         if h.get("t") == "data" and h.get("ln"):
             k = h.get("k")
             if k != self.reading:
-                if k in self.lane_keys:
+                nbytes = sum(b.nbytes for b in msg["b"])
+                if k in self.lane_keys and self._early_bytes + nbytes <= self.settings.max_message_bytes:
                     self._early.setdefault(k, deque()).append(msg)
+                    self._early_bytes += nbytes
+                elif k in self.lane_keys:
+                    self._drop(f"early data of lane round {k!r}: over max_message_bytes kept")
                 # else: a lane round this node gave up or never had (dropped, like stale data).
                 # Return rather than wait on: the same poll may have taken the service thread's
                 # wake-up (a round handed over), which the caller must see now, not a poll later.
@@ -569,12 +578,22 @@ class PeerNet:
 def _as_frame(b: Any) -> Any:
     """The received ZeroMQ frame a numpy array views whole (the ring sums into received buffers
     and forwards them), else the array itself. A frame is sent on without a copy (send_frames):
-    7 of 8 messages of an 8-node dense round are such, 500 KB each for 1M float32."""
+    all but two of a node's 2(N-1) messages of a dense round are such (500 KB each for 1M float32
+    on 8 nodes)."""
     base = getattr(b, "base", None)
     if isinstance(b, np.ndarray) and isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame):
         if b.nbytes == base.nbytes == base.obj.buffer.nbytes and b.flags.c_contiguous:
             return base.obj
     return b
+
+
+def _earlier_of_job(other: Any, key: str) -> bool:
+    """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
+    if not isinstance(other, str):
+        return False
+    job, _, seq = key.rpartition("/")
+    ojob, _, oseq = other.rpartition("/")
+    return ojob == job and oseq.isdigit() and seq.isdigit() and int(oseq) < int(seq)
 
 
 class LaneGivenUp(Exception):
@@ -673,11 +692,11 @@ class RoundTransport:
                 raise RoundAborted(str(h.get("reason")), origin_of(h), class_of(h))
             if h.get("t") == "abort" and "o" in h and self.on_other_abort is not None:
                 self.on_other_abort(h)
-                other = h.get("k")
-                if self.lane and isinstance(other, str) and other.rpartition("/")[0] == self.key.rpartition("/")[0]:
-                    # another round of this job failed somewhere: the node that failed it closed its
-                    # lane and will not join this round without an agreement
-                    raise RoundAborted(f"round {self.key} cannot run without an agreement: round {other} "
+                if self.lane and _earlier_of_job(h.get("k"), self.key):
+                    # an earlier round of this job failed somewhere: the node that failed it closed
+                    # its lane and will not join this round without an agreement. (A later one's
+                    # failure is only remembered: this round can still complete on every node.)
+                    raise RoundAborted(f"round {self.key} cannot run without an agreement: round {h.get('k')} "
                                        f"failed ({h.get('reason')})")
                 continue
             if h.get("t") == "start":

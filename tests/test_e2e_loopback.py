@@ -149,7 +149,7 @@ def test_bad_input_rejected_client_side(tmp_path):
 @pytest.mark.timeout(120)
 def test_status_command(tmp_path):
     with LocalCluster(2, tmp_path) as cl:
-        cl.run(workers.fill_sum, [10])
+        cl.run(workers.fill_sum, [10, 20])
         out = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[1], "--json"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
@@ -161,6 +161,7 @@ def test_status_command(tmp_path):
         text = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[0]],
                               capture_output=True, text=True, timeout=30)
         assert "rank 0 of 2" in text.stdout
+        assert "start/go agreements 1, in the dense lane 1 (given up 0)" in text.stdout  # the 2nd call
     missing = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", str(tmp_path / "x.sock")],
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode == 1 and "no birdnetd" in missing.stderr

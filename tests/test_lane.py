@@ -154,3 +154,78 @@ def test_a_lane_round_a_process_never_submits_times_out_everywhere(tmp_path):
         kind, msg = out[1]
         assert kind == "RoundTimeoutError" and "round_timeout" in msg, (node, out[1])
     check_results(res, plan, 3, 5000, skip={1})
+
+
+class _StubNet:
+    """What RoundTransport reads of a PeerNet, with scripted messages (the real one is exercised by
+    the tests above; this pins the transport's reactions one message at a time)."""
+
+    def __init__(self, msgs, early=None):
+        from collections import deque
+
+        from birdnet.config import Settings
+        self.msgs, self.early = deque(msgs), {k: deque(v) for k, v in (early or {}).items()}
+        self.stopping, self.neighbour_restarts, self.rank, self.world = False, 0, 1, 3
+        self.bytes_received = self.bytes_sent = 0
+        self.reading = None
+        self.settings = Settings(round_timeout=1.0)
+
+    def lost(self):
+        return set()
+
+    def restarted_since(self, since):
+        return None
+
+    def poll(self, timeout):
+        return self.msgs.popleft() if self.msgs else None
+
+    def take_early(self, key):
+        q = self.early.get(key)
+        return q.popleft() if q else None
+
+
+def _data(key, lane=True):
+    h = {"t": "data", "k": key, "p": "rs", "s": 0, "c": 0}
+    if lane:
+        h["ln"] = 1
+    return {"h": h, "b": [memoryview(b"\0" * 8)]}
+
+
+def test_lane_transport_reactions():
+    import time
+
+    from birdnet.daemon.peers import LaneGivenUp, RoundAborted, RoundTransport
+
+    from birdnet.errors import RoundTimeoutError
+    soon = time.monotonic() + 5
+    # kept early data first; a later round's abort is passed on, not fatal; stale agreed data of
+    # the same key is skipped
+    seen = []
+    net = _StubNet([{"h": {"t": "abort", "k": "J/6", "o": 2, "reason": "x"}, "b": []}, _data("J/5", lane=False),
+                    _data("J/5")], early={"J/5": [_data("J/5")]})
+    t = RoundTransport(net, "J/5", lane=True)
+    t.on_other_abort = seen.append
+    assert t.recv(soon)[0]["k"] == "J/5"  # the early one
+    h, _ = t.recv(soon)
+    assert h.get("ln") == 1 and [a["k"] for a in seen] == ["J/6"]
+    # an earlier round of the job failed: this one cannot run without an agreement
+    t = RoundTransport(_StubNet([{"h": {"t": "abort", "k": "J/4", "o": 2, "reason": "x"}, "b": []}]), "J/5", lane=True)
+    t.on_other_abort = seen.append
+    with pytest.raises(RoundAborted, match="J/4"):
+        t.recv(soon)
+    # the leader closes the lane at this round, or starts an agreement: give it up
+    t = RoundTransport(_StubNet([{"h": {"t": "lane", "k": "J/6"}, "b": []}, {"h": {"t": "lane", "k": "J/5"}, "b": []}]),
+                       "J/5", lane=True)
+    with pytest.raises(LaneGivenUp):
+        t.recv(soon)
+    start = {"h": {"t": "start", "k": "K/0"}, "b": []}
+    t = RoundTransport(_StubNet([start]), "J/5", lane=True)
+    with pytest.raises(LaneGivenUp):
+        t.recv(soon)
+    assert t.interrupt is start
+    # an agreed round never takes lane data, and a lane round waits round_timeout, not peer_timeout
+    t = RoundTransport(_StubNet([_data("J/5"), _data("J/5", lane=False)]), "J/5")
+    assert "ln" not in t.recv(soon)[0]
+    t = RoundTransport(_StubNet([]), "J/5", lane=True)
+    with pytest.raises(RoundTimeoutError, match="round_timeout"):
+        t.recv(time.monotonic() + 0.05)
