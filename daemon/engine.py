@@ -330,6 +330,7 @@ class RingWorker(threading.Thread):
         self.lane_rounds = 0  #: rounds run in the lane
         self.lanes_given_up = 0  #: lane rounds given up here because the leader closed the lane
         self.lane_running: str | None = None  #: the lane round in its data phase here
+        self.lane_closed_at: Any = None  #: the round key of the leader's last ``lane`` close seen here
         if net is not None and self.lane_allowed:
             net.on_lane = self._on_lane_message
 
@@ -345,9 +346,12 @@ class RingWorker(threading.Thread):
 
     def _take_inbox(self, timeout: float = 0.0) -> None:
         while self.restarted_jobs:
-            prefix = self.restarted_jobs.pop(0) + "/"
+            job = self.restarted_jobs.pop(0)
+            prefix = job + "/"
             for k in [k for k in self.aborted if k.startswith(prefix)]:
                 del self.aborted[k]
+            if self.lane is not None and self.lane[0] == job:
+                self._close_lane()  # its numbering starts again: the leader agrees its next round
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -425,15 +429,21 @@ class RingWorker(threading.Thread):
         return d
 
     # -- the dense lane ---------------------------------------------------------------------------
+    def _expect_lane(self, job: str, seq: int) -> None:
+        """Keep lane data of round ``job/seq`` (and the one after) that comes before this node runs
+        it: the left neighbour may finish the round before (an agreed batch, or the previous lane
+        round) first and start the lane round at once. Dropping that data would leave this node
+        waiting for it."""
+        self.net.set_lane_keys((f"{job}/{seq}", f"{job}/{seq + 1}"))
+
     def _open_lane(self, job: str, seq: int) -> None:
         self.lane = (job, seq)
         self.lane_since = self.net.neighbour_restarts
-        # the left neighbour may finish a lane round first and send the next one's data at once
-        self.net.set_lane_keys((f"{job}/{seq}", f"{job}/{seq + 1}"))
+        self._expect_lane(job, seq)
 
     def _close_lane(self) -> None:
-        if self.lane is not None:
-            self.lane = None
+        self.lane = None
+        if self.net is not None and getattr(self.net, "lane_keys", ()):
             self.net.set_lane_keys(())
 
     def _request_close(self, key: str, why: str) -> None:
@@ -468,6 +478,9 @@ class RingWorker(threading.Thread):
                 self._leader_close(f"{self.lane[0]}/{self.lane[1]}")
             return
         self._close_lane()
+        # it may name the round after the one this node is still running in the lane: that round
+        # must not reopen the lane when it completes
+        self.lane_closed_at = h.get("k")
         if self.rank != self.world - 1:
             try:
                 self.net.send({"t": "lane", "k": h.get("k")})
@@ -504,7 +517,12 @@ class RingWorker(threading.Thread):
             return True
         gone = self.departed.get(job)
         if gone is not None and seq >= gone[1] and key not in self.ready:
-            # this node's processes of the job left: the round cannot complete; fail it everywhere
+            # This node's processes of the job left, so the round cannot complete. Fail it everywhere
+            # once another node is in it (its data is here), not before: when the whole job ended
+            # nobody waits, and an abort would outlive the job's next run on some node (which
+            # numbers its calls from 0 again) and fail that run's call of the same number.
+            if not self.net.has_early(key):
+                return False
             why = f"node rank {self.rank}: {gone[0]}"
             self._close_lane()
             self._remember_failed(key, "ProcessLostError", why)
@@ -553,7 +571,10 @@ class RingWorker(threading.Thread):
         finally:
             self.lane_running = None
         self.lane_rounds += 1
-        self._open_lane(job, seq + 1)
+        if self.lane_closed_at == f"{job}/{seq + 1}":
+            self._close_lane()  # the leader closed the lane at the next round while this one ran
+        else:
+            self._open_lane(job, seq + 1)
         self._finish(rnd)
 
     # -- main loop --------------------------------------------------------------------------------
@@ -750,13 +771,14 @@ class RingWorker(threading.Thread):
             lane = self._grant(verdicts)
             if lane is not None:
                 go["lane"] = lane
+                self._expect_lane(lane[0], lane[1])
             self.net.send(go)
         except BirdnetError as exc:
+            self._close_lane()
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        if self._run_batch(verdicts, RoundTransport, since) and lane is not None:
-            self._open_lane(lane[0], lane[1])
+        self._granted(self._run_batch(verdicts, RoundTransport, since), lane)
 
     def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> list[Any]:
         """[key, ok, error message, error class, counts] for one round of a start."""
@@ -891,9 +913,20 @@ class RingWorker(threading.Thread):
                 v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
                 v[4] = [0] * self.world
         lane = g.get("lane")
-        if (self._run_batch(verdicts, RoundTransport, since) and self.lane_allowed and isinstance(lane, list)
-                and len(lane) == 2 and isinstance(lane[0], str) and isinstance(lane[1], int)):
+        if not (self.lane_allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
+                and isinstance(lane[1], int) and not isinstance(lane[1], bool)):
+            lane = None
+        if lane is not None:
+            self._expect_lane(lane[0], lane[1])  # before the batch runs: see _expect_lane
+        self._granted(self._run_batch(verdicts, RoundTransport, since), lane)
+
+    def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
+        """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
+        self.lane_closed_at = None
+        if lane is not None and batch_ok:
             self._open_lane(lane[0], lane[1])
+        else:
+            self._close_lane()
 
     def _pass_go(self, key: str, since: int) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""

@@ -351,6 +351,9 @@ class PeerNet:
         for k in [k for k in self._early if k not in keys]:
             self._early_bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._early.pop(k))
 
+    def has_early(self, key: str) -> bool:
+        return bool(self._early.get(key))
+
     def take_early(self, key: str) -> dict | None:
         q = self._early.get(key)
         if not q:

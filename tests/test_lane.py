@@ -229,3 +229,18 @@ def test_lane_transport_reactions():
     t = RoundTransport(_StubNet([]), "J/5", lane=True)
     with pytest.raises(RoundTimeoutError, match="round_timeout"):
         t.recv(time.monotonic() + 0.05)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_that_ends_with_the_lane_open_and_runs_again_is_not_hit_by_it(tmp_path):
+    """Each run's processes leave with the lane open at their next call; the daemons reap them (the
+    job "departed") while the next run of the job, numbering its calls from 0, is starting on other
+    nodes. Nobody is in that lane round, so it must not be aborted: such an abort outlived the job's
+    restart on some node and failed the next run's call of the same number (found by the soak test)."""
+    plan = ["dense"] * 6
+    with LocalCluster(3, tmp_path) as cl:
+        for _run in range(3):
+            res = cl.run(workers.lane_rounds, plan, 2000)
+            check_results(res, plan, 3, 2000)
+            for _out, st in res:
+                assert st["rounds_failed"] == 0
