@@ -43,8 +43,7 @@ def encode(header: dict[str, Any], buffers: Sequence[Any] = ()) -> list[Any]:
              for b in buffers]
     h = dict(header)
     h["nbuf"] = len(views)
-    h["sizes"] = [v.buffer.nbytes if hasattr(v, "buffer") and not isinstance(v, memoryview) else v.nbytes
-                  for v in views]
+    h["sizes"] = [v.nbytes if isinstance(v, memoryview) else len(v) for v in views]  # a frame's len: bytes
     return [PROTOCOL_ID, _packer().pack(h), *views]
 
 

@@ -165,13 +165,13 @@ class RoundRunner:
     def __init__(self, settings: Settings, states: StateStore) -> None:
         self.settings, self.states = settings, states
 
-    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None,
-            lane: bool = False) -> None:
+    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None) -> None:
         """Run ``rnd``'s data phase. ``counts`` are the agreed process counts per node; a lane round
-        (``lane``: a dense all-reduce started without an agreement, see RingWorker) has none and
+        (a dense all-reduce started without an agreement, see RingWorker) has none (``None``) and
         learns their total from the ring."""
         t0 = time.perf_counter()
         c0 = time.process_time()  # the whole daemon process: ring thread, ZeroMQ I/O thread, service
+        lane = counts is None
         total = sum(counts) if counts is not None else len(rnd.parts)
         st = rnd.stats
         # monotonic marks (one clock for all the namespaces of a machine): where a round's time goes
@@ -543,10 +543,9 @@ class RingWorker(threading.Thread):
     def _run_lane(self, rnd: LocalRound, job: str, seq: int) -> None:
         from birdnet.daemon.peers import LaneGivenUp, RoundTransport
         transport = RoundTransport(self.net, rnd.key, self.lane_since, lane=True)
-        transport.on_other_abort = self._on_abort_elsewhere
         self.lane_running = rnd.key
         try:
-            self.runner.run(rnd, transport, self.rank, self.world, None, lane=True)
+            failed = self._data_phase(rnd, transport, None)
         except LaneGivenUp:
             # nothing of the round was written here (see the module docstring): run it once agreed
             self._close_lane()
@@ -555,27 +554,16 @@ class RingWorker(threading.Thread):
             if transport.interrupt is not None:
                 self.pending_start = transport.interrupt
             return
-        except BirdnetError as exc:
-            self._close_lane()
-            self._report(rnd.key, exc)
-            if transport.interrupt is not None:
-                self.pending_start = transport.interrupt
-            self._finish(rnd, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - a bad round must not take the daemon down
-            log.exception("lane round %s raised", rnd.key)
-            self._close_lane()
-            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
-            self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
-            return
         finally:
             self.lane_running = None
+        if failed is not None:
+            self._close_lane()
+            return
         self.lane_rounds += 1
         if self.lane_closed_at == f"{job}/{seq + 1}":
             self._close_lane()  # the leader closed the lane at the next round while this one ran
         else:
             self._open_lane(job, seq + 1)
-        self._finish(rnd)
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -937,12 +925,16 @@ class RingWorker(threading.Thread):
         if self.rank != self.world - 1:
             self.net.send(g)
 
-    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
-        """Run one agreed round; returns its error (already reported) or None."""
+    def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
+        """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already
+        reported) or None. A lane round given up raises LaneGivenUp (RingWorker._run_lane)."""
+        from birdnet.daemon.peers import LaneGivenUp
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
         try:
             self.runner.run(rnd, transport, self.rank, self.world, counts)
+        except LaneGivenUp:
+            raise
         except BirdnetError as exc:
             self._report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
