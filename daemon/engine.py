@@ -18,8 +18,9 @@ round goes round the ring ahead of the leader's next ``start``, and a node alrea
 gives it up and runs it again once it is agreed. That is safe because a round writes a node's
 buffers only when a message that passed through every node arrives (ring_allreduce keeps its
 partial sums out of them), and the leader sends no data for a round it closed the lane before. Any failure, a
-lost peer or a restarted neighbour closes the lane too; then the job's next round may fail with
-it (docs/architecture.md, "The dense lane").
+lost peer or a restarted neighbour closes the lane too; a lane round in progress that learns of
+the failure of an earlier round of its job is given up and agreed like the others
+(docs/architecture.md, "The dense lane").
 """
 from __future__ import annotations
 

@@ -696,11 +696,11 @@ class RoundTransport:
             if h.get("t") == "abort" and "o" in h and self.on_other_abort is not None:
                 self.on_other_abort(h)
                 if self.lane and _earlier_of_job(h.get("k"), self.key):
-                    # an earlier round of this job failed somewhere: the node that failed it closed
-                    # its lane and will not join this round without an agreement. (A later one's
-                    # failure is only remembered: this round can still complete on every node.)
-                    raise RoundAborted(f"round {self.key} cannot run without an agreement: round {h.get('k')} "
-                                       f"failed ({h.get('reason')})")
+                    # An earlier round of this job failed somewhere. The node that failed it closed
+                    # its lane and joins this round only once it is agreed, so no node can finish a
+                    # segment of it: give it up and run it agreed (the job loses no second call).
+                    # (A later one's failure is only remembered: this round can still complete.)
+                    raise LaneGivenUp(self.key)
                 continue
             if h.get("t") == "start":
                 self.interrupt = msg
