@@ -120,3 +120,19 @@ def field(header: dict[str, Any], key: str, kind: type | tuple[type, ...], what:
         raise ProtocolError(f"{what}: field {key!r} is {type(v).__name__}, expected "
                             f"{getattr(kind, '__name__', kind)}")
     return v
+
+
+def round_key(job: str, seq: int) -> str:
+    """The key every peer message of a round carries: ``"job/seq"`` (a job name may contain "/";
+    the call number is what follows the last one)."""
+    return f"{job}/{seq}"
+
+
+def split_key(key: Any) -> tuple[str, int] | None:
+    """``(job, seq)`` of a round key, or None when ``key`` (from the network) is not one."""
+    if not isinstance(key, str):
+        return None
+    job, sep, seq = key.rpartition("/")
+    if not sep or not seq.isdigit():
+        return None
+    return job, int(seq)

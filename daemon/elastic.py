@@ -617,16 +617,17 @@ class ElasticRingWorker(RingWorker):
 
     def _maybe_align(self, key: str) -> None:
         """A joiner's first rounds: make its lowest waiting round of the job the one the leader started."""
-        job, _, seq_s = key.rpartition("/")
-        if self.join_epoch is None or job in self.aligned or not seq_s.isdigit():
+        parsed = wire.split_key(key)
+        if self.join_epoch is None or parsed is None or parsed[0] in self.aligned:
             return
+        job, seq = parsed
         if key in self.ready:
             self.aligned.add(job)
             return
         mine = sorted((self.ready[k] for k in self.order if self.ready[k].job == job), key=lambda r: r.seq)
         if not mine:
             return
-        delta = int(seq_s) - mine[0].seq
+        delta = seq - mine[0].seq
         for rnd in mine:
             old = rnd.key
             rnd.seq += delta
@@ -654,7 +655,7 @@ class ElasticRingWorker(RingWorker):
             self.join_epoch, self.aligned = ep, set()
         deadline = time.monotonic() + self.settings.round_timeout
         since = self.net.neighbour_restarts
-        job, _, seq_s = key.rpartition("/")
+        job, seq = wire.split_key(key) or (key, -1)
         while True:
             self._take_inbox()  # before any wait: see RingWorker._follow
             if key in self.ready:
@@ -674,7 +675,7 @@ class ElasticRingWorker(RingWorker):
                 self._abort(key, why, retry=True)
                 return
             gone = self.departed.get(job)
-            if gone is not None and seq_s.isdigit() and int(seq_s) - self.offsets.get(job, 0) >= gone[1]:
+            if gone is not None and seq >= 0 and seq - self.offsets.get(job, 0) >= gone[1]:
                 descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
                                           "error_class": "ProcessLostError"}])
                 self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)

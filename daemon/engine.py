@@ -50,6 +50,7 @@ from birdnet.errors import (
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing
+from birdnet.wire import round_key, split_key
 
 log = logging.getLogger("birdnet.engine")
 
@@ -85,7 +86,7 @@ class LocalRound:
 
     @property
     def key(self) -> str:
-        return f"{self.job}/{self.seq}"
+        return round_key(self.job, self.seq)
 
 
 class StateStore:
@@ -396,7 +397,7 @@ class RingWorker(threading.Thread):
         key, origin = h.get("k"), h.get("o")
         if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
             return
-        if self.lane is not None and key.rpartition("/")[0] == self.lane[0]:
+        if self.lane is not None and (split_key(key) or ("",))[0] == self.lane[0]:
             self._close_lane()  # the node that failed it closed its lane: it will want an agreement
         from birdnet.daemon.peers import RoundAborted, class_of
         reason, cls = str(h.get("reason")), class_of(h)
@@ -435,7 +436,7 @@ class RingWorker(threading.Thread):
         it: the left neighbour may finish the round before (an agreed batch, or the previous lane
         round) first and start the lane round at once. Dropping that data would leave this node
         waiting for it."""
-        self.net.set_lane_keys((f"{job}/{seq}", f"{job}/{seq + 1}"))
+        self.net.set_lane_keys((round_key(job, seq), round_key(job, seq + 1)))
 
     def _open_lane(self, job: str, seq: int) -> None:
         self.lane = (job, seq)
@@ -498,17 +499,16 @@ class RingWorker(threading.Thread):
         """The lane the leader's ``go`` opens: the next round of the job of an agreed batch."""
         if not self.lane_allowed or not verdicts or not all(v[1] for v in verdicts):
             return None
-        jobs = {str(v[0]).rpartition("/")[0] for v in verdicts}
-        seqs = [str(v[0]).rpartition("/")[2] for v in verdicts]
-        if len(jobs) != 1 or not all(x.isdigit() for x in seqs):
+        keys = [split_key(v[0]) for v in verdicts]
+        if any(k is None for k in keys) or len({k[0] for k in keys}) != 1:
             return None
-        return [jobs.pop(), max(int(x) for x in seqs) + 1]
+        return [keys[0][0], max(k[1] for k in keys) + 1]
 
     def _lane_step(self) -> bool:
         """Run the lane's round if it is ready here; True when something was done."""
         assert self.lane is not None
         job, seq = self.lane
-        key = f"{job}/{seq}"
+        key = round_key(job, seq)
         restarted = self.net.restarted_since(self.lane_since)
         if restarted:
             # The restarted neighbour knows nothing of the lane and waits for an agreement. Only
@@ -561,7 +561,7 @@ class RingWorker(threading.Thread):
             self._close_lane()
             return
         self.lane_rounds += 1
-        if self.lane_closed_at == f"{job}/{seq + 1}":
+        if self.lane_closed_at == round_key(job, seq + 1):
             self._close_lane()  # the leader closed the lane at the next round while this one ran
         else:
             self._open_lane(job, seq + 1)
@@ -850,9 +850,9 @@ class RingWorker(threading.Thread):
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 self._pass_go(key, since)
                 return
-            job, _, seq_s = key.rpartition("/")
+            job, seq = split_key(key) or (key, -1)
             gone = self.departed.get(job)
-            if gone is not None and seq_s.isdigit() and int(seq_s) >= gone[1]:
+            if gone is not None and seq >= 0 and seq >= gone[1]:
                 # This node's processes of the job can never submit: fail the round everywhere now.
                 descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
                                           "error_class": "ProcessLostError"}])

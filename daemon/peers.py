@@ -592,11 +592,8 @@ def _as_frame(b: Any) -> Any:
 
 def _earlier_of_job(other: Any, key: str) -> bool:
     """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
-    if not isinstance(other, str):
-        return False
-    job, _, seq = key.rpartition("/")
-    ojob, _, oseq = other.rpartition("/")
-    return ojob == job and oseq.isdigit() and seq.isdigit() and int(oseq) < int(seq)
+    a, b = wire.split_key(other), wire.split_key(key)
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
 
 
 class LaneGivenUp(Exception):

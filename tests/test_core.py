@@ -69,6 +69,12 @@ def test_wire_checks_sizes_before_trusting_them():
         wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
 
 
+def test_round_keys_split_at_the_last_slash_and_refuse_what_is_not_one():
+    assert wire.split_key(wire.round_key("team/resnet", 12)) == ("team/resnet", 12)
+    for bad in ("resnet", "resnet/", "resnet/x1", "resnet/-1", 7, None, ["a/1"]):
+        assert wire.split_key(bad) is None, bad
+
+
 # -- settings ---------------------------------------------------------------------------------------
 def test_settings_precedence(tmp_path):
     cfg = tmp_path / "b.toml"
