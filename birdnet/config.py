@@ -69,8 +69,10 @@ class Settings:
     #: (daemon/engine.py, "the dense lane"); off, every round waits for the leader's start/go
     dense_lane: bool = True
 
+    # local_size too: a process's global rank is node rank x local_size + local rank, so nodes
+    # with different local sizes would hand out colliding ranks and a wrong job size
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
-                    "nan_policy")
+                    "nan_policy", "local_size")
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

@@ -86,6 +86,21 @@ def test_shape_mismatch_is_reported_everywhere_and_daemon_keeps_serving(tmp_path
         assert ok == [3.0] * 5
 
 
+@pytest.mark.timeout(120)
+def test_nodes_with_different_local_sizes_refuse_each_other_by_name(tmp_path):
+    """Global ranks are node rank x local_size + local rank: nodes that disagree on local_size
+    would hand out colliding ranks. The handshake refuses them; a call fails with the reason
+    within peer_timeout (4 s here), never a hang."""
+    import fault_workers
+    with LocalCluster(2, tmp_path, per_node_extra=[[], ["--local-size", "2"]]) as cl:
+        (cls, msg, secs), = cl.run(fault_workers.try_round, 100, 30.0, nodes=[0])
+        assert cls == "PeerLostError", (cls, msg)
+        assert "local_size: 1 (peer) vs 2" in msg, msg  # the process hears why
+        assert secs < 4 + 4
+        for i in range(2):
+            assert "local_size: 2 (peer) vs 1" in cl.log(i) or "local_size: 1 (peer) vs 2" in cl.log(i), cl.log(i)
+
+
 @pytest.mark.timeout(180)
 def test_dtype_mismatch_within_node(tmp_path):
     with LocalCluster(1, tmp_path, local_size=2) as cl:
