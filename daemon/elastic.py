@@ -339,20 +339,8 @@ class ElasticTransport(RoundTransport):
             self.trackers.append(tracker)
         self.bytes_sent += self.net.bytes_sent - before
 
-    def flush(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for tr in self.trackers:
-            while not tr.done:
-                if time.monotonic() > deadline or self.net.stopping:
-                    raise PeerLostError(f"round {self.key}: rank {self.right_rank} "
-                                        f"({self.net.peers[self.right_rank].address}) did not take our data "
-                                        f"within {timeout} s")
-                try:
-                    tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
-                except zmq.NotDone:
-                    pass
-                self.net.maybe_ping()
-        self.trackers.clear()
+    def _right(self) -> str:
+        return f"rank {self.right_rank} ({self.net.peers[self.right_rank].address})"
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         net = self.net
@@ -434,6 +422,11 @@ class ElasticRingWorker(RingWorker):
             self.net.send({"t": "abort", "k": key, "reason": reason, "retry": retry}, to=self.next_rank)
         except Exception:  # noqa: BLE001
             pass
+
+    def _report(self, key: str, exc: BaseException) -> None:
+        """A round failed here (RingWorker._data_phase): tell the next live node (elastic aborts
+        carry a reason and no origin)."""
+        self._abort(key, f"rank {self.rank}: {exc}")
 
     def status(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members), "leader": self.leader}
@@ -762,21 +755,3 @@ class ElasticRingWorker(RingWorker):
                 rnd.stats["contributors"] = [r for r, c in zip(ring, counts) if c > 0]
                 rnd.stats["epoch"] = self.epoch
                 failed = self._data_phase(rnd, ElasticTransport(self.net, key, ring, since), counts)
-
-    def _data_phase(self, rnd: LocalRound, transport, counts: list[int]) -> BirdnetError | None:
-        try:
-            self.runner.run(rnd, transport, transport.rank, transport.world, counts)
-        except BirdnetError as exc:
-            self._abort(rnd.key, f"rank {self.rank}: {exc}")
-            if getattr(transport, "interrupt", None):
-                self.pending_start = transport.interrupt
-            self._finish(rnd, exc)
-            return exc
-        except Exception as exc:  # noqa: BLE001
-            log.exception("round %s raised", rnd.key)
-            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
-            err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
-            self._finish(rnd, err)
-            return err
-        self._finish(rnd)
-        return None

@@ -933,7 +933,8 @@ class RingWorker(threading.Thread):
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
         try:
-            self.runner.run(rnd, transport, self.rank, self.world, counts)
+            # the transport's rank and world: positions in the live ring in elastic mode
+            self.runner.run(rnd, transport, transport.rank, transport.world, counts)
         except LaneGivenUp:
             raise
         except BirdnetError as exc:

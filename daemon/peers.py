@@ -640,14 +640,16 @@ class RoundTransport:
         for tr in self.trackers:
             while not tr.done:
                 if time.monotonic() > deadline or self.net.stopping:
-                    raise PeerLostError(f"round {self.key}: right neighbour rank {self.net.right.rank} "
-                                        f"({self.net.right.address}) did not take our data within {timeout} s")
+                    raise PeerLostError(f"round {self.key}: {self._right()} did not take our data within {timeout} s")
                 try:
                     tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
                 except zmq.NotDone:
                     pass
                 self.net.maybe_ping()
         self.trackers.clear()
+
+    def _right(self) -> str:
+        return f"right neighbour rank {self.net.right.rank} ({self.net.right.address})"
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         if self.lane:
