@@ -41,7 +41,6 @@ from birdnet.daemon.peers import (
     RoundTransport,
     frames_nbytes,
     reconnect_ivl_max,
-    recv_frames,
     send_frames,
 )
 
@@ -68,6 +67,8 @@ class _Retry(Exception):
 class ElasticPeerNet(PeerNet):
     """PeerNet with a DEALER to every node, direct liveness of every node, and messages tagged with
     the sending rank (``msg["from"]``) instead of being accepted from the left neighbour only."""
+
+    MESSAGE_TYPES = ("start", "go", "abort", "data")  # no dense lane in elastic mode
 
     def __init__(self, ctx: zmq.Context, settings, peers, rank: int, curve: Any = None,
                  wake: zmq.Socket | None = None) -> None:
@@ -241,35 +242,17 @@ class ElasticPeerNet(PeerNet):
                         "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
 
     def _recv_router(self) -> dict | None:
-        try:
-            frames = recv_frames(self.router)
-        except zmq.Again:
+        got = self._decode_router()
+        if got is None:
             return None
-        if len(frames) < 1:
-            return None
-        identity = frames[0].bytes
-        try:
-            header, bufs = wire.decode(frames[1:], max_bytes=self.settings.max_message_bytes)
-        except ProtocolError as exc:
-            self._drop(f"from {identity[:40]!r}: {exc}")
-            if identity and frames[1:2] and frames[1].bytes.startswith(b"birdnet/"):
-                self._reply(identity, {"t": "refuse", "reason": str(exc)})
-            return None
-        self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
+        identity, header, bufs, first = got
         t = header["t"]
-        if t == "ping":
-            self._handle_ping(identity, header, frames[1])
-            return None
-        if t not in ("start", "go", "abort", "data"):
-            self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
-            return None
         r = self.identities.get(identity)
         if r is None:
             if identity in self._replaced:
                 self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of a peer")
             else:  # a peer's queue that reached us before its first ping (PeerNet._hold)
-                self._hold(identity, frames[1], {"h": header, "b": bufs},
-                           len(frames[1].bytes) + sum(b.nbytes for b in bufs))
+                self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
             return None
         self.seen[r] = time.monotonic()
         if r == self.left.rank:

@@ -138,6 +138,9 @@ def _resolve(host: str) -> str:
 class PeerNet:
     """The two sockets of a ring node plus liveness bookkeeping."""
 
+    #: what a peer may send besides pings (anything else is dropped and logged)
+    MESSAGE_TYPES: tuple[str, ...] = ("start", "go", "abort", "data", "lane")
+
     def __init__(self, ctx: zmq.Context, settings: Settings, peers: list[Peer], rank: int,
                  curve: Any = None, wake: zmq.Socket | None = None) -> None:
         self.settings, self.peers, self.rank = settings, peers, rank
@@ -443,7 +446,9 @@ class PeerNet:
                               self.right.address, reason)
                 self.refused_by_right = reason
 
-    def _recv_router(self) -> dict | None:
+    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any] | None:
+        """The next message on the ROUTER as (identity, header, buffers, header frame); None when
+        there is none, or it was a ping (answered here) or garbage (dropped, the sender told)."""
         try:
             frames = recv_frames(self.router)
         except zmq.Again:
@@ -463,15 +468,22 @@ class PeerNet:
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
             return None
-        if t not in ("start", "go", "abort", "data", "lane"):
+        if t not in self.MESSAGE_TYPES:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
+        return identity, header, bufs, frames[1]
+
+    def _recv_router(self) -> dict | None:
+        got = self._decode_router()
+        if got is None:
+            return None
+        identity, header, bufs, first = got
+        t = header["t"]
         if identity != self.left_identity:
             if identity in self._replaced:
                 self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of the left neighbour")
             else:
-                self._hold(identity, frames[1], {"h": header, "b": bufs},
-                           len(frames[1].bytes) + sum(b.nbytes for b in bufs))
+                self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
             return None
         self.left_seen = time.monotonic()
         return {"h": header, "b": bufs}
