@@ -37,6 +37,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, types
 
+from birdnet.kernels.rng import hash64 as _rand
+
 __all__ = [
     "nbytes_for", "pack_signs", "unpack_signs", "unpack_signs_add", "keep_threshold",
     "bernoulli_mask", "merge_signbits", "merge_paper", "prepare_p", "abs_sum", "sq_sum",
@@ -48,12 +50,6 @@ _U8R = types.Array(types.uint8, 1, "C", readonly=True)
 _F4 = types.float32[::1]
 _F4R = types.Array(types.float32, 1, "C", readonly=True)
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _ZERO = np.uint64(0)
 _ONE = np.uint64(1)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -66,19 +62,7 @@ def nbytes_for(n: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# random words
-@njit(cache=True, inline="always")
-def _mix64(z):
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)
-
-
-@njit(cache=True, inline="always")
-def _rand(seed, ctr):
-    return _mix64(seed + (ctr + _ONE) * _GOLDEN)
-
-
+# random words: rng.hash64(seed, ctr), the counter-based splitmix64 every kernel draws from
 @njit(cache=True, inline="always")
 def _keep_word(seed, word, thresh, undecided):
     """64 Bernoulli(thresh / 2**64) lanes of word ``word``; only ``undecided`` lanes are waited for."""
