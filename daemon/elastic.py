@@ -498,16 +498,7 @@ class ElasticRingWorker(RingWorker):
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
             if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("L") != self.rank:
-                try:
-                    self._follow_elastic(msg)
-                except Exception as exc:  # noqa: BLE001
-                    key = msg["h"].get("k")
-                    if not isinstance(exc, BirdnetError):
-                        log.exception("round %r failed inside a follower", key)
-                        exc = InputError(f"round {key!r} failed inside the daemon: {exc!r}")
-                    log.warning("round %s: %s", key, exc)
-                    if isinstance(key, str) and key in self.ready:
-                        self._finish(self.ready[key], exc)
+                self._follow_guarded(self._follow_elastic, msg, msg["h"].get("k"))
 
     def _wait_elastic(self, want: str, key: str, deadline: float, ring: list[int], prev: int, since: int) -> dict:
         net = self.net

@@ -641,16 +641,20 @@ class RingWorker(threading.Thread):
                 self._on_abort_elsewhere(msg["h"])
             # Only followers act on a start; the leader's own starts come back inside _lead.
             if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
-                try:
-                    self._follow(msg["h"])
-                except Exception as exc:  # noqa: BLE001 - e.g. the right neighbour is not connected
-                    key = msg["h"].get("k")
-                    if not isinstance(exc, BirdnetError):
-                        log.exception("round %r failed inside a follower", key)
-                        exc = InputError(f"round {key!r} failed inside the daemon: {exc!r}")
-                    log.warning("round %s: %s", key, exc)
-                    if isinstance(key, str) and key in self.ready:
-                        self._finish(self.ready[key], exc)
+                self._follow_guarded(self._follow, msg["h"], msg["h"].get("k"))
+
+    def _follow_guarded(self, follow: Callable[[Any], None], arg: Any, key: Any) -> None:
+        """A follower's part of round ``key``; whatever goes wrong in it fails that round here only
+        (e.g. the right neighbour is not connected), never the ring thread."""
+        try:
+            follow(arg)
+        except Exception as exc:  # noqa: BLE001
+            if not isinstance(exc, BirdnetError):
+                log.exception("round %r failed inside a follower", key)
+                exc = InputError(f"round {key!r} failed inside the daemon: {exc!r}")
+            log.warning("round %s: %s", key, exc)
+            if isinstance(key, str) and key in self.ready:
+                self._finish(self.ready[key], exc)
 
     def _expire_unstarted(self) -> None:
         """A follower's round the leader never starts (its job's processes on another node never
