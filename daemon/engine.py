@@ -560,7 +560,6 @@ class RingWorker(threading.Thread):
         if failed is not None:
             self._close_lane()
             return
-        self.lane_rounds += 1
         if self.lane_closed_at == round_key(job, seq + 1):
             self._close_lane()  # the leader closed the lane at the next round while this one ran
         else:
@@ -953,5 +952,8 @@ class RingWorker(threading.Thread):
             err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
             self._finish(rnd, err)
             return err
+        if counts is None:
+            # counted before the processes hear of the result: a status they ask for next shows it
+            self.lane_rounds += 1
         self._finish(rnd)
         return None
