@@ -57,7 +57,12 @@ def test_soak_memory_fds_and_shm_do_not_grow(tmp_path):
         rounds = 0
         phases = 3
         for k in range(phases):
-            res = cl.run(fault_workers.mixed_rounds, SECONDS / phases, SIZES, CODECS, 100 + k, timeout=SECONDS + 120)
+            try:
+                res = cl.run(fault_workers.mixed_rounds, SECONDS / phases, SIZES, CODECS, 100 + k,
+                             timeout=SECONDS + 120)
+            except Exception as exc:  # a rare failure must say what the daemons saw
+                tails = "\n".join(f"--- node {i}, end of its log:\n{cl.log(i)[-4000:]}" for i in range(4))
+                raise AssertionError(f"phase {k}: {exc!r}\n{tails}") from exc
             assert len(set(res)) == 1  # every process ran the same rounds
             rounds += res[0]
         end = snapshot(cl)
