@@ -246,13 +246,9 @@ class ElasticPeerNet(PeerNet):
         if got is None:
             return None
         identity, header, bufs, first = got
-        t = header["t"]
         r = self.identities.get(identity)
         if r is None:
-            if identity in self._replaced:
-                self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of a peer")
-            else:  # a peer's queue that reached us before its first ping (PeerNet._hold)
-                self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
+            self._not_accepted(identity, header, bufs, first, "a peer")
             return None
         self.seen[r] = time.monotonic()
         if r == self.left.rank:

@@ -478,15 +478,20 @@ class PeerNet:
         if got is None:
             return None
         identity, header, bufs, first = got
-        t = header["t"]
         if identity != self.left_identity:
-            if identity in self._replaced:
-                self._drop(f"{t!r} message from {identity[:40]!r}, an earlier incarnation of the left neighbour")
-            else:
-                self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
+            self._not_accepted(identity, header, bufs, first, "the left neighbour")
             return None
         self.left_seen = time.monotonic()
         return {"h": header, "b": bufs}
+
+    def _not_accepted(self, identity: bytes, header: dict[str, Any], bufs: list[memoryview], first: Any,
+                      whose: str) -> None:
+        """A message from a connection not accepted (yet): dropped if it is an earlier incarnation of
+        ``whose``, else held until its first ping (a queue that overtook the handshake)."""
+        if identity in self._replaced:
+            self._drop(f"{header['t']!r} message from {identity[:40]!r}, an earlier incarnation of {whose}")
+        else:
+            self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
 
     def _hold(self, identity: bytes, frame: Any, msg: dict, nbytes: int) -> None:
         """Keep a message from a connection that has not been accepted yet, until its first ping.
