@@ -618,7 +618,6 @@ class ElasticRingWorker(RingWorker):
             self.join_epoch, self.aligned = ep, set()
         deadline = time.monotonic() + self.settings.round_timeout
         since = self.net.neighbour_restarts
-        job, seq = wire.split_key(key) or (key, -1)
         while True:
             self._take_inbox()  # before any wait: see RingWorker._follow
             if key in self.ready:
@@ -637,9 +636,9 @@ class ElasticRingWorker(RingWorker):
             if why:
                 self._abort(key, why, retry=True)
                 return
-            gone = self.departed.get(job)
-            if gone is not None and seq >= 0 and seq - self.offsets.get(job, 0) >= gone[1]:
-                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
+            gone = self._departed_before(key, self.offsets)
+            if gone is not None:
+                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone}",
                                           "error_class": "ProcessLostError"}])
                 self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
                 try:

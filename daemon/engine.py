@@ -383,6 +383,16 @@ class RingWorker(threading.Thread):
         while len(self.aborted) > 4096:
             self.aborted.pop(next(iter(self.aborted)))
 
+    def _departed_before(self, key: str, offsets: dict[str, int] | None = None) -> str | None:
+        """Why this node's processes of round ``key``'s job can never submit it (they left before
+        that call), else None. ``offsets``: per job, the cluster's call number minus this node's
+        (elastic mode)."""
+        parsed = split_key(key)
+        gone = self.departed.get(parsed[0]) if parsed is not None else None
+        if gone is None:
+            return None
+        return gone[0] if parsed[1] - (offsets or {}).get(parsed[0], 0) >= gone[1] else None
+
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
         holds (or will hold) the same round fails it too instead of waiting for its agreement."""
@@ -397,7 +407,8 @@ class RingWorker(threading.Thread):
         key, origin = h.get("k"), h.get("o")
         if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
             return
-        if self.lane is not None and (split_key(key) or ("",))[0] == self.lane[0]:
+        parsed = split_key(key)
+        if self.lane is not None and parsed is not None and parsed[0] == self.lane[0]:
             self._close_lane()  # the node that failed it closed its lane: it will want an agreement
         from birdnet.daemon.peers import RoundAborted, class_of
         reason, cls = str(h.get("reason")), class_of(h)
@@ -477,7 +488,7 @@ class RingWorker(threading.Thread):
                 except BirdnetError:
                     pass
             elif self.lane is not None and self.lane_running is None:
-                self._leader_close(f"{self.lane[0]}/{self.lane[1]}")
+                self._leader_close(round_key(*self.lane))
             return
         self._close_lane()
         # it may name the round after the one this node is still running in the lane: that round
@@ -516,15 +527,15 @@ class RingWorker(threading.Thread):
             self._close_lane()
             self._request_close(key, restarted)
             return True
-        gone = self.departed.get(job)
-        if gone is not None and seq >= gone[1] and key not in self.ready:
+        gone = self._departed_before(key)
+        if gone is not None and key not in self.ready:
             # This node's processes of the job left, so the round cannot complete. Fail it everywhere
             # once another node is in it (its data is here), not before: when the whole job ended
             # nobody waits, and an abort would outlive the job's next run on some node (which
             # numbers its calls from 0 again) and fail that run's call of the same number.
             if not self.net.has_early(key):
                 return False
-            why = f"node rank {self.rank}: {gone[0]}"
+            why = f"node rank {self.rank}: {gone}"
             self._close_lane()
             self._remember_failed(key, "ProcessLostError", why)
             self._abort(key, why, cls="ProcessLostError")
@@ -623,7 +634,7 @@ class RingWorker(threading.Thread):
             if self.rank == 0 and self.order and not lost:
                 if self.lane is not None:
                     # something other than the lane's round is next: close the lane ahead of the start
-                    self._leader_close(f"{self.lane[0]}/{self.lane[1]}")
+                    self._leader_close(round_key(*self.lane))
                 rnd = self.ready[self.order[0]]
                 try:
                     self._lead(rnd)
@@ -853,11 +864,10 @@ class RingWorker(threading.Thread):
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 self._pass_go(key, since)
                 return
-            job, seq = split_key(key) or (key, -1)
-            gone = self.departed.get(job)
-            if gone is not None and seq >= 0 and seq >= gone[1]:
+            gone = self._departed_before(key)
+            if gone is not None:
                 # This node's processes of the job can never submit: fail the round everywhere now.
-                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone[0]}",
+                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone}",
                                           "error_class": "ProcessLostError"}])
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 self._pass_go(key, since)
