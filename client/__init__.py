@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
+from birdnet.door import DoorReader
 from birdnet.errors import (
     AuthenticationError,
     BirdnetError,
@@ -39,6 +40,8 @@ __all__ = ["Client", "Handle", "BirdnetError"]
 CONNECT_TIMEOUT = 1.0
 #: after the daemon went away, how long the next call waits for a restarted daemon to answer
 RECONNECT_TIMEOUT = 10.0
+#: how long ``close()`` waits for the daemon to confirm that it ended the session
+BYE_TIMEOUT = 1.0
 
 
 def _default_socket() -> str:
@@ -150,6 +153,7 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
+        self._door: DoorReader | None = None  #: the result doorbell (birdnet.door), if the daemon gave one
         self._poller = zmq.Poller()
         self._generation = 0  #: bumped on every (re)connection
         self._lost: str | None = None  #: why the connection to the daemon is gone, until reconnected
@@ -196,7 +200,7 @@ class Client:
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._lost = None
-        self._send({"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid()})
+        self._send({"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid(), "door": True})
         try:
             reply = self._recv(time.monotonic() + timeout)
         except RoundTimeoutError:
@@ -210,6 +214,12 @@ class Client:
         if reply["t"] == "error":
             self._close_socket()
             raise from_wire(reply)
+        if isinstance(reply.get("door"), str):
+            try:
+                self._door = DoorReader(reply["door"])
+                self._poller.register(self._door.fd, zmq.POLLIN)
+            except (OSError, ValueError):
+                self._door = None  # results come over the socket; calls do not announce the doorbell
         self._generation += 1
         self.rank: int = reply["rank"]
         self.size: int = reply["size"]
@@ -219,6 +229,9 @@ class Client:
         self.world: int = reply["world"]
 
     def _close_socket(self) -> None:
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -253,12 +266,23 @@ class Client:
     def _recv(self, deadline: float | None) -> dict[str, Any]:
         if self._sock is None:
             raise DaemonUnavailableError(f"client is not connected to birdnetd at {self.socket_path}")
+        door = self._door
         while True:
+            if door is not None and door.pending:
+                return door.pending.popleft()
             self._check_monitor()
             if self._lost:
                 raise self._gone()
             wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             events = dict(self._poller.poll(int(wait * 1000) + 1))
+            if door is not None and door.fd in events:
+                door.read()
+                if door.eof:  # the daemon closed its end: it exited (the monitor says so too)
+                    self._poller.unregister(door.fd)
+                    door.close()
+                    self._door = door = None
+                elif door.pending:
+                    return door.pending.popleft()
             if self._sock in events:
                 frames = self._sock.recv_multipart()
                 try:
@@ -430,6 +454,8 @@ class Client:
         self._ensure_connected()
         seq = self._seq
         header: dict[str, Any] = {"t": "submit", "seq": seq, "kind": kind}
+        if self._door is not None:
+            header["door"] = True  # its end is open: the daemon may hand the result back that way
         slot = None
         out = None
         shape: tuple[int, ...] = ()
@@ -485,8 +511,13 @@ class Client:
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         if self._sock is not None and not self._lost:
+            # Wait for the answer: the socket is closed without lingering, which could drop an
+            # unanswered bye, and a process of the job started right after this one exits would
+            # then find its place taken until the daemon noticed the exit (up to a second later).
             try:
-                self._send({"t": "bye"})
+                call = next(self._calls)
+                self._send({"t": "bye", "call": call})
+                self._await(call, BYE_TIMEOUT)
             except (zmq.ZMQError, BirdnetError):
                 pass
         self._close_socket()

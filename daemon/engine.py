@@ -83,6 +83,9 @@ class LocalRound:
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: (session, call id, slot) of every local process, for the replies
     callers: list[Any] = dataclasses.field(default_factory=list)
+    #: calls whose ``done`` went through the process's result doorbell (the service's main thread
+    #: sends the others over the client socket)
+    delivered: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def key(self) -> str:

@@ -10,11 +10,14 @@ Client protocol (frames as in :mod:`birdnet.wire`; the client's DEALER talks to 
 ==========  ===================================================================================
 request     reply
 ==========  ===================================================================================
-``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, shm_prefix} — or ``error``
+``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, version, door} — or ``error``
+            (``door``, when the hello asked for it with ``door: true``: the name of the result
+            doorbell, a FIFO under /dev/shm; see :mod:`birdnet.door`)
 ``alloc``   ``shm`` {slot, name, nbytes}: a segment the daemon created for this session
-``submit``  later ``done`` {call, stats} (the result is in the slot) or ``error`` {call, error, message}
+``submit``  later ``done`` {call, stats} (the result is in the slot) or ``error`` {call, error, message};
+            ``done`` goes through the doorbell when there is one and it takes it
 ``status``  ``status`` {...}
-``bye``     (none) the session ends; its segments are unlinked
+``bye``     ``bye`` {call}: the session has ended, its segments are unlinked
 ==========  ===================================================================================
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRun
 
 from birdnet import PROTOCOL_VERSION, __version__, wire
 from birdnet.config import Settings
+from birdnet.door import Door
 from birdnet.errors import (
     BirdnetError,
     InputError,
@@ -68,7 +72,11 @@ class Session:
     job: str
     local_index: int
     segments: dict[int, Segment] = dataclasses.field(default_factory=dict)
-    inflight: set[int] = dataclasses.field(default_factory=set)
+    #: slot -> the call using it. By call, not just slot: a result that went through the doorbell
+    #: lets the process use the slot again before this thread has seen that round finish
+    inflight: dict[int, int] = dataclasses.field(default_factory=dict)
+    #: the result doorbell (birdnet.door), when the process asked for one in its hello
+    door: Door | None = None
     last_seq: int = -1  #: the highest call number this process submitted
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -142,6 +150,7 @@ class Daemon:
         self.wake_tx.connect(f"inproc://birdnet-wake-{id(self)}")
         import threading
         self._wake_lock = threading.Lock()
+        self._finish_lock = threading.Lock()
         if self.world > 1:
             from birdnet.daemon.peers import PeerNet
             curve = None
@@ -310,6 +319,13 @@ class Daemon:
             self.end_session(other.identity, "reconnected")
         if len(self.sessions) >= MAX_SESSIONS:
             raise InputError(f"birdnetd already serves {MAX_SESSIONS} client sessions")
+        full = self.jobs.get(job)
+        if full is not None and len(full.sessions) >= self.settings.local_size:
+            # a process of the job that exited without a bye (killed, and restarted at once by its
+            # launcher) may not be reaped yet: look now rather than refuse its successor
+            for other in list(full.sessions.values()):
+                if not pid_alive(other.pid):
+                    self.end_session(other.identity, "process exited")
         j = self.jobs.setdefault(job, Job(job))
         if not j.sessions and not same and self.worker is not None:
             # a new incarnation of the job on this node may number its rounds from 0 again: the
@@ -324,13 +340,20 @@ class Daemon:
         if self.worker is not None:
             self.worker.departed.pop(job, None)  # the job is whole again on this node
         s = Session(identity, pid, job, idx)
+        if h.get("door") is True:
+            try:
+                s.door = Door(new_name(self.shm_prefix), mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
+            except OSError as exc:  # the socket still works: results go that way
+                log.warning("no result doorbell for pid %d: %s", pid, exc)
         self.sessions[identity] = s
         j.sessions[idx] = s
         log.info("client pid %d joined job %r as local rank %d", pid, job, idx)
         ls = self.settings.local_size
-        self.reply(identity, {"t": "welcome", "rank": self.rank * ls + idx, "size": self.world * ls,
-                              "local_rank": idx, "local_size": ls, "node": self.rank, "world": self.world,
-                              "version": __version__})
+        welcome = {"t": "welcome", "rank": self.rank * ls + idx, "size": self.world * ls, "local_rank": idx,
+                   "local_size": ls, "node": self.rank, "world": self.world, "version": __version__}
+        if s.door is not None:
+            welcome["door"] = s.door.name
+        self.reply(identity, welcome)
 
     def _session(self, identity: bytes) -> Session:
         s = self.sessions.get(identity)
@@ -346,6 +369,7 @@ class Daemon:
             raise InputError(f"slot {slot} is outside 0..{MAX_SLOTS - 1}")
         if not 0 <= nbytes <= min(MAX_SEGMENT_BYTES, self.settings.max_message_bytes * 4):
             raise InputError(f"shared-memory request of {nbytes} bytes is outside the limit")
+        self.handle_finished()  # a result that went through the doorbell frees its slot here first
         if slot in s.inflight:
             raise InputError(f"slot {slot} is in use by a call in flight")
         old = s.segments.pop(slot, None)
@@ -406,7 +430,10 @@ class Daemon:
                 if not isinstance(root, int) or not 0 <= root < self.world * self.settings.local_size:
                     raise InputError(f"broadcast root {root!r} is not a rank of this job")
                 desc["root"] = root
-            s.inflight.add(slot)
+            s.inflight[slot] = call
+        if h.get("door") is True and s.door is not None and not s.door.armed:
+            s.door.armed = True  # the process has its end open: results may go this way now
+            s.door.unlink()
         j = self.jobs[s.job]
         pend = j.pending.setdefault(seq, {})
         if s.local_index in pend:
@@ -445,23 +472,39 @@ class Daemon:
             self.ring_wake_tx.send(b"", zmq.NOBLOCK)
 
     def _round_finished(self, rnd: LocalRound) -> None:
-        """Called on the ring worker thread."""
-        self.finished.put(rnd)
+        """Called on the ring worker thread: a result goes straight to the processes that have a
+        doorbell (one thread wake instead of four); this thread does the rest."""
+        with self._finish_lock:
+            # Queued under the lock that handle_finished takes: whatever a process sends after it
+            # had its result finds the round finished here (its slot free), not still in flight.
+            if rnd.error is None:
+                stats = None
+                for session, call, _slot in rnd.callers:
+                    if session is not None and session.door is not None and session.door.armed:
+                        stats = stats or _plain(rnd.stats)
+                        if session.door.send({"t": "done", "call": call, "stats": stats}):
+                            rnd.delivered.add(call)
+            self.finished.put(rnd)
         self._wake()
 
     def handle_finished(self) -> None:
-        while True:
-            try:
-                rnd = self.finished.get_nowait()
-            except queue.Empty:
-                return
+        with self._finish_lock:
+            rounds = []
+            while True:
+                try:
+                    rounds.append(self.finished.get_nowait())
+                except queue.Empty:
+                    break
+        for rnd in rounds:
             self.bytes_sent_total += int(rnd.stats.get("bytes_sent", 0) or 0)
             self.figures.observe(rnd)
             for session, call, slot in rnd.callers:
                 if session is None or self.sessions.get(session.identity) is not session:
                     continue  # the process is gone
-                if slot is not None:
-                    session.inflight.discard(slot)
+                if slot is not None and session.inflight.get(slot) == call:
+                    del session.inflight[slot]
+                if call in rnd.delivered:
+                    continue
                 if rnd.error is not None:
                     self.reply(session.identity, {"t": "error", "call": call, **to_wire(rnd.error)})
                 else:
@@ -472,6 +515,7 @@ class Daemon:
 
     def handle_bye(self, identity: bytes, h: dict[str, Any]) -> None:
         self.end_session(identity, "bye")
+        self.reply(identity, {"t": "bye", "call": h.get("call")})
 
     # -- sessions ---------------------------------------------------------------------------------
     def end_session(self, identity: bytes, why: str) -> None:
@@ -498,7 +542,7 @@ class Daemon:
                 for idx, (_d, _c, call, slot) in list(pend.items()):
                     other = j.sessions.get(idx)
                     if other is not None:
-                        other.inflight.discard(slot)
+                        other.inflight.pop(slot, None)
                         self.reply(other.identity, {"t": "error", "call": call, **to_wire(err)})
                 del j.pending[seq]
             if not j.sessions:
@@ -506,6 +550,8 @@ class Daemon:
         for seg in s.segments.values():
             seg.unlink()
             seg.close()
+        if s.door is not None:
+            s.door.close()
         log.info("client pid %d left job %r (%s)", s.pid, s.job, why)
 
     def reap_sessions(self) -> None:

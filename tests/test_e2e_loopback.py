@@ -211,3 +211,48 @@ def test_rounds_in_flight_are_agreed_in_batches_and_a_bad_one_fails_alone(tmp_pa
                 assert (kind, value) == ("ok", 3.0 * i)
         # 24 rounds (+1 barrier) in flight at once need far fewer start/go exchanges than rounds
         assert status["round_agreements"] < status["rounds_done"] + status["rounds_failed"]
+
+
+@pytest.mark.timeout(120)
+def test_a_job_restarted_at_once_finds_its_place_free(tmp_path):
+    """A process's place in its job (one per node by default) is free again when ``close()``
+    returns (the daemon confirms the bye), and when a process was killed without one, its successor
+    is not refused while the daemon has not reaped it yet (it looks when the job is full)."""
+    import os
+    import signal
+
+    from birdnet.client import Client
+    with LocalCluster(1, tmp_path) as cl:
+        sock = cl.sockets[0]
+        with Client(sock, job="watch") as watcher:
+            for _ in range(20):
+                c = Client(sock, job="restarted")
+                assert c.allreduce(np.ones(3, np.float32), timeout=30).tolist() == [1.0] * 3
+                c.close()
+                assert "restarted" not in watcher.status()["jobs"]  # the session ended before close returned
+            code = ("import os, signal, sys\nfrom birdnet.client import Client\n"
+                    f"c = Client({sock!r}, job='killed')\nprint('joined', flush=True)\n"
+                    "os.kill(os.getpid(), signal.SIGKILL)\n")
+            unreaped = 0
+            for _ in range(5):
+                p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+                assert p.returncode == -signal.SIGKILL and "joined" in p.stdout, p.stderr
+                # the daemon reaps once a second: right after the kill the dead session is mostly
+                # still there (all five reaped already would be a ~1e-8 coincidence)
+                unreaped += "killed" in watcher.status()["jobs"]
+                with Client(sock, job="killed") as successor:
+                    assert successor.local_rank == 0
+                    assert successor.allreduce(np.ones(2, np.float32), timeout=30).tolist() == [1.0, 1.0]
+            assert unreaped >= 1
+            # close() waits for the daemon's answer, but never longer than BYE_TIMEOUT
+            from birdnet.client import BYE_TIMEOUT
+            c = Client(sock, job="stopped")
+            cl.send_signal(0, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                c.close()
+                waited = time.monotonic() - t0
+            finally:
+                cl.send_signal(0, signal.SIGCONT)
+            assert BYE_TIMEOUT - 0.05 <= waited < BYE_TIMEOUT + 2.0
+            assert os.getpid() in [x["pid"] for x in watcher.status()["jobs"]["watch"]["processes"]]

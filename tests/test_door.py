@@ -1,0 +1,142 @@
+"""The result doorbell (birdnet.door): a FIFO from the daemon's ring worker to one process.
+
+Real FIFOs under /dev/shm and a real birdnetd (one node; the doorbell does not depend on peers)."""
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import numpy as np
+import pytest
+from birdnet.client import Client
+from cluster import LocalCluster
+
+from birdnet.door import ATOMIC_BYTES, Door, DoorReader
+from birdnet.shm import SHM_DIR, new_name
+
+
+@pytest.fixture
+def door():
+    d = Door(new_name("bntestdoor-"))
+    r = DoorReader(d.name)
+    yield d, r
+    r.close()
+    d.close()
+
+
+def test_headers_arrive_in_order_and_whole(door):
+    d, r = door
+    assert stat.S_ISFIFO(os.stat(os.path.join(SHM_DIR, d.name)).st_mode)
+    assert stat.S_IMODE(os.stat(os.path.join(SHM_DIR, d.name)).st_mode) == 0o600
+    for i in range(100):
+        assert d.send({"t": "done", "call": i, "stats": {"seconds": 0.5, "key": "x" * (i % 7)}})
+    r.read()
+    assert [h["call"] for h in r.pending] == list(range(100))
+    assert r.pending[3]["stats"] == {"seconds": 0.5, "key": "xxx"}
+
+
+def test_what_the_pipe_cannot_take_is_refused_not_lost(door):
+    d, r = door
+    # larger than one atomic write: refused (the daemon replies over the socket instead)
+    assert not d.send({"t": "done", "call": 1, "stats": {"s": "x" * ATOMIC_BYTES}})
+    # a process that stops reading: the pipe fills, then send says no instead of blocking
+    sent = 0
+    while d.send({"t": "done", "call": sent, "stats": {"pad": "y" * 200}}):
+        sent += 1
+        assert sent < 10_000, "a pipe is 64 KiB by default: it must fill"
+    assert sent > 50
+    r.read()
+    assert [h["call"] for h in r.pending] == list(range(sent))  # every accepted one arrives whole
+    d.close()
+    assert not d.send({"t": "done", "call": 0})  # closed: refused, no write to a reused descriptor
+    r.read()
+    assert r.eof  # the daemon's end went away: the process stops polling it
+    assert not os.path.exists(os.path.join(SHM_DIR, d.name))
+
+
+def test_garbage_is_dropped(door):
+    d, r = door
+    os.write(d._fd, b"\xc1\xc1\xc1")  # never-used msgpack bytes
+    r.read()
+    assert not r.pending
+    os.write(d._fd, b"\x01")  # valid msgpack, not a map
+    assert d.send({"t": "done", "call": 7})
+    r.read()
+    assert [h["call"] for h in r.pending] == [7]
+
+
+def _shm_names(sock: str) -> set[str]:
+    import hashlib
+    prefix = "bn" + hashlib.blake2b(os.path.abspath(sock).encode(), digest_size=4).hexdigest() + "-"
+    return {f for f in os.listdir(SHM_DIR) if f.startswith(prefix)}
+
+
+@pytest.mark.timeout(120)
+def test_results_come_through_the_doorbell_and_the_slot_is_free_at_once(tmp_path):
+    """With the doorbell the process has its result before the daemon's main thread has seen the
+    round finish, and may at once reuse or grow the slot; here every call needs a bigger segment
+    than the last (an ``alloc`` of the same slot right after each result)."""
+    with LocalCluster(1, tmp_path) as cl:
+        sock = cl.sockets[0]
+        with Client(sock, job="door") as c:
+            assert c._door is not None
+            assert c._door.name in _shm_names(sock)  # until the first call announces it
+            got = 0
+            for i in range(200):
+                x = np.full(100 + i, float(i), np.float32)
+                out = c.allreduce(x, name="g", timeout=30)
+                assert out.tolist() == x.tolist()
+                got += 1
+            # the FIFO's name is gone once the process announced it; both ends stay open
+            assert c._door.name not in _shm_names(sock) and c._door.fd is not None
+        assert got == 200
+        deadline = time.monotonic() + 5
+        while _shm_names(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _shm_names(sock) == set()  # segments and doorbell removed when the process left
+
+
+class _Counting(DoorReader):
+    received = 0
+
+    def read(self) -> None:
+        before = len(self.pending)
+        super().read()
+        _Counting.received += len(self.pending) - before
+
+
+@pytest.mark.timeout(120)
+def test_which_way_results_come(tmp_path, monkeypatch):
+    import birdnet.client as client_mod
+    monkeypatch.setattr(client_mod, "DoorReader", _Counting)
+
+    class NoDoor(Client):  # an older client: its hello does not ask for a doorbell
+        def _send(self, header):
+            super()._send({k: v for k, v in header.items() if k != "door"})
+
+    class Unannounced(Client):  # has the doorbell, never says so in a call
+        def _send(self, header):
+            super()._send({k: v for k, v in header.items() if not (k == "door" and header["t"] == "submit")})
+
+    with LocalCluster(1, tmp_path) as cl:
+        sock = cl.sockets[0]
+        _Counting.received = 0
+        with Client(sock, job="a") as c:
+            for i in range(5):
+                assert c.allreduce(np.full(10, i, np.float32), timeout=30).tolist() == [i] * 10
+        assert _Counting.received == 5  # all five through the doorbell
+        _Counting.received = 0
+        with NoDoor(sock, job="b") as c:
+            assert c._door is None
+            for i in range(5):
+                assert c.allreduce(np.full(10, i, np.float32), timeout=30).tolist() == [i] * 10
+        with Unannounced(sock, job="c") as c:
+            assert c._door is not None
+            for i in range(5):
+                assert c.allreduce(np.full(10, i, np.float32), timeout=30).tolist() == [i] * 10
+        assert _Counting.received == 0  # the daemon wrote nothing a process did not say it reads
+        # errors still come over the socket, with their class
+        with Client(sock, job="d") as c:
+            with pytest.raises(ValueError, match="cannot be reduced"):
+                c.allreduce(np.ones(10, np.int32), op="mean", timeout=30)
