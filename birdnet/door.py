@@ -1,4 +1,5 @@
-"""The result doorbell: a named pipe (FIFO) from the daemon's ring worker to one training process.
+"""The doorbells: named pipes (FIFOs) between the daemon and one training process, for results
+(:class:`Door`, written by the ring worker) and for calls (:class:`Bell`, read by the main thread).
 
 A result handed back through the client socket wakes four threads one after the other: the
 daemon's main thread, its ZeroMQ I/O thread, the client's I/O thread and the client's thread. On a
@@ -98,7 +99,7 @@ class DoorReader:
             raise ValueError(f"bad doorbell name {name!r}")
         self.name = name
         self.fd: int | None = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NONBLOCK)
-        self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=1 << 20)
+        self._unpacker = _unpacker()
         self.pending: deque[dict[str, Any]] = deque()
         #: the daemon closed its end (it exited): the caller closes this one and stops polling it
         self.eof = False
@@ -123,9 +124,103 @@ class DoorReader:
                 if isinstance(obj, dict) and isinstance(obj.get("t"), str):
                     self.pending.append(obj)
         except ValueError:  # garbage: start over rather than stall
-            self._unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=1 << 20)
+            self._unpacker = _unpacker()
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+class Bell:
+    """The daemon's end of a process's *submit* FIFO (the other direction): the process writes its
+    ``submit`` headers here instead of through the client socket, so a call reaches the daemon's
+    main thread with one thread wake instead of three (the client's and the daemon's ZeroMQ I/O
+    threads are skipped). Opened read-write, like :class:`Door`: the process can open its end at any
+    time and its exit does not make the pipe report end-of-file. Only the main thread touches it."""
+
+    def __init__(self, name: str, *, mode: int = 0o600, gid: int | None = None) -> None:
+        if "/" in name or not name:
+            raise ValueError(f"bad doorbell name {name!r}")
+        self.name = name
+        self.path: str | None = os.path.join(SHM_DIR, name)
+        os.mkfifo(self.path, mode)
+        try:
+            os.chmod(self.path, mode)
+            if gid is not None:
+                os.chown(self.path, -1, gid)
+            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+        except BaseException:
+            self.unlink()
+            raise
+        self._unpacker = _unpacker()
+        #: bytes that were not msgpack (the stream was dropped and restarted), for the log
+        self.garbage = 0
+
+    def read(self) -> list[Any]:
+        """Whatever complete messages the pipe holds (anything msgpack; the caller checks them)."""
+        if self.fd is None:
+            return []
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            self._unpacker.feed(data)
+            if len(data) < 1 << 16:
+                break
+        out = []
+        try:
+            out.extend(self._unpacker)
+        except ValueError:  # not msgpack, or over the buffer limit: drop the stream, keep serving
+            self.garbage += 1
+            self._unpacker = _unpacker()
+        return out
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.unlink()
+
+
+class BellWriter:
+    """The process's end of its submit FIFO: ``send`` returns False when the header did not go (too
+    large, pipe full, daemon gone); the caller then sends it through the socket."""
+
+    def __init__(self, name: str) -> None:
+        if "/" in name or not name:
+            raise ValueError(f"bad doorbell name {name!r}")
+        self.name = name
+        self.fd: int | None = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_NONBLOCK)
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    def send(self, header: dict[str, Any]) -> bool:
+        if self.fd is None:
+            return False
+        data = self._packer.pack(header)
+        if len(data) > ATOMIC_BYTES:
+            return False
+        try:
+            return os.write(self.fd, data) == len(data)
+        except OSError:  # BlockingIOError (the daemon is not reading), BrokenPipeError (it exited)
+            return False
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _unpacker() -> msgpack.Unpacker:
+    return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=1 << 20)

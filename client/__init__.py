@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
-from birdnet.door import DoorReader
+from birdnet.door import BellWriter, DoorReader
 from birdnet.errors import (
     AuthenticationError,
     BirdnetError,
@@ -154,6 +154,7 @@ class Client:
         self._sock: zmq.Socket | None = None
         self._monitor: zmq.Socket | None = None
         self._door: DoorReader | None = None  #: the result doorbell (birdnet.door), if the daemon gave one
+        self._bell: BellWriter | None = None  #: the submit FIFO (birdnet.door), likewise
         self._poller = zmq.Poller()
         self._generation = 0  #: bumped on every (re)connection
         self._lost: str | None = None  #: why the connection to the daemon is gone, until reconnected
@@ -214,12 +215,17 @@ class Client:
         if reply["t"] == "error":
             self._close_socket()
             raise from_wire(reply)
-        if isinstance(reply.get("door"), str):
+        if isinstance(reply.get("door"), str) and isinstance(reply.get("bell"), str):
             try:
                 self._door = DoorReader(reply["door"])
+                self._bell = BellWriter(reply["bell"])
                 self._poller.register(self._door.fd, zmq.POLLIN)
             except (OSError, ValueError):
-                self._door = None  # results come over the socket; calls do not announce the doorbell
+                # calls and results go over the socket; calls do not announce the doorbell
+                for d in (self._door, self._bell):
+                    if d is not None:
+                        d.close()
+                self._door = self._bell = None
         self._generation += 1
         self.rank: int = reply["rank"]
         self.size: int = reply["size"]
@@ -232,6 +238,9 @@ class Client:
         if self._door is not None:
             self._door.close()
             self._door = None
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -491,7 +500,9 @@ class Client:
         header["call"] = call
         self._seq += 1
         try:
-            self._send(header)
+            # the submit FIFO when there is one and it takes the call; else (too large, full) the socket
+            if self._bell is None or not self._bell.send(header):
+                self._send(header)
         except BaseException:
             if slot is not None:
                 slot.busy = False

@@ -40,7 +40,7 @@ from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRun
 
 from birdnet import PROTOCOL_VERSION, __version__, wire
 from birdnet.config import Settings
-from birdnet.door import Door
+from birdnet.door import Bell, Door
 from birdnet.errors import (
     BirdnetError,
     InputError,
@@ -75,8 +75,9 @@ class Session:
     #: slot -> the call using it. By call, not just slot: a result that went through the doorbell
     #: lets the process use the slot again before this thread has seen that round finish
     inflight: dict[int, int] = dataclasses.field(default_factory=dict)
-    #: the result doorbell (birdnet.door), when the process asked for one in its hello
+    #: the result doorbell and the submit FIFO (birdnet.door), when the process asked in its hello
     door: Door | None = None
+    bell: Bell | None = None
     last_seq: int = -1  #: the highest call number this process submitted
     started: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -105,6 +106,8 @@ class Daemon:
         self.gid = grp.getgrnam(settings.shm_group).gr_gid if settings.shm_group else None
         self.ctx = zmq.Context()
         self.sessions: dict[bytes, Session] = {}
+        self.bells: dict[int, bytes] = {}  #: submit FIFO descriptor -> its session's identity
+        self.poller: zmq.Poller | None = None
         self.jobs: dict[str, Job] = {}
         self.finished: queue.Queue[LocalRound] = queue.Queue()
         self.signals: list[int] = []
@@ -199,7 +202,7 @@ class Daemon:
     def serve_forever(self) -> int:
         self.setup()
         notify.notify("READY=1", f"STATUS={self._status_line()}")
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
         watchdog = notify.watchdog_interval()
@@ -223,6 +226,8 @@ class Daemon:
                         except zmq.Again:
                             break
                         self.handle_client(frames)
+                for fd in [e for e in events if isinstance(e, int) and e in self.bells]:
+                    self.handle_bell(self.bells[fd])
                 if self.wake_rx in events:
                     while True:
                         try:
@@ -289,18 +294,46 @@ class Daemon:
         identity = frames[0].bytes
         try:
             header, _ = wire.decode(frames[1:], max_bytes=wire.MAX_HEADER_BYTES)
-            t = header["t"]
-            handler = getattr(self, f"handle_{t}", None) if t in ("hello", "alloc", "submit", "status", "bye") else None
+        except BirdnetError as exc:
+            log.info("client request refused: %s", exc)
+            self.reply(identity, {"t": "error", "call": None, **to_wire(exc)})
+            return
+        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"))
+
+    def handle_bell(self, identity: bytes) -> None:
+        """Calls a process wrote into its submit FIFO (birdnet.door.Bell); errors go back over the
+        socket, as for calls that came that way."""
+        s = self.sessions.get(identity)
+        if s is None or s.bell is None:
+            return
+        for header in s.bell.read():
+            if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+                log.info("dropped a message from pid %d's submit FIFO: not a map with string keys", s.pid)
+                continue
+            self.dispatch(identity, header, ("submit",))
+        if s.bell.garbage:
+            # Whatever was in the pipe with the garbage is gone with it: say so to the process (its
+            # waiting call fails with this error rather than waiting for ever). Others are unaffected.
+            s.bell.garbage = 0
+            err = ProtocolError(f"undecodable bytes in the submit FIFO of pid {s.pid}: they and the calls read with "
+                                "them were dropped; only birdnet.client writes there")
+            log.warning("%s", err)
+            self.reply(identity, {"t": "error", "call": None, **to_wire(err)})
+
+    def dispatch(self, identity: bytes, header: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        try:
+            t = header.get("t")
+            handler = getattr(self, f"handle_{t}", None) if t in allowed else None
             if handler is None:
                 raise ProtocolError(f"unknown request {t!r}")
             handler(identity, header)
         except BirdnetError as exc:
             log.info("client request refused: %s", exc)
-            self.reply(identity, {"t": "error", "call": _call_of(locals().get("header")), **to_wire(exc)})
+            self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(exc)})
         except Exception as exc:  # noqa: BLE001 - a bad request must never take the daemon down
             log.exception("client request failed inside the daemon")
             err = InputError(f"request failed inside birdnetd: {exc!r}")
-            self.reply(identity, {"t": "error", "call": _call_of(locals().get("header")), **to_wire(err)})
+            self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(err)})
 
     def handle_hello(self, identity: bytes, h: dict[str, Any]) -> None:
         if h.get("proto") != PROTOCOL_VERSION:
@@ -341,18 +374,27 @@ class Daemon:
             self.worker.departed.pop(job, None)  # the job is whole again on this node
         s = Session(identity, pid, job, idx)
         if h.get("door") is True:
+            mode = 0o660 if self.gid is not None else 0o600
             try:
-                s.door = Door(new_name(self.shm_prefix), mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
-            except OSError as exc:  # the socket still works: results go that way
-                log.warning("no result doorbell for pid %d: %s", pid, exc)
+                s.door = Door(new_name(self.shm_prefix), mode=mode, gid=self.gid)
+                s.bell = Bell(new_name(self.shm_prefix), mode=mode, gid=self.gid)
+            except OSError as exc:  # the socket still works: calls and results go that way
+                log.warning("no doorbells for pid %d: %s", pid, exc)
+                for d in (s.door, s.bell):
+                    if d is not None:
+                        d.close()
+                s.door = s.bell = None
         self.sessions[identity] = s
         j.sessions[idx] = s
         log.info("client pid %d joined job %r as local rank %d", pid, job, idx)
         ls = self.settings.local_size
         welcome = {"t": "welcome", "rank": self.rank * ls + idx, "size": self.world * ls, "local_rank": idx,
                    "local_size": ls, "node": self.rank, "world": self.world, "version": __version__}
-        if s.door is not None:
-            welcome["door"] = s.door.name
+        if s.door is not None and s.bell is not None:
+            welcome["door"], welcome["bell"] = s.door.name, s.bell.name
+            if getattr(self, "poller", None) is not None and s.bell.fd is not None:
+                self.poller.register(s.bell.fd, zmq.POLLIN)
+                self.bells[s.bell.fd] = identity
         self.reply(identity, welcome)
 
     def _session(self, identity: bytes) -> Session:
@@ -432,8 +474,10 @@ class Daemon:
                 desc["root"] = root
             s.inflight[slot] = call
         if h.get("door") is True and s.door is not None and not s.door.armed:
-            s.door.armed = True  # the process has its end open: results may go this way now
+            s.door.armed = True  # the process has its ends open: results may go this way now
             s.door.unlink()
+            if s.bell is not None:
+                s.bell.unlink()
         j = self.jobs[s.job]
         pend = j.pending.setdefault(seq, {})
         if s.local_index in pend:
@@ -514,6 +558,7 @@ class Daemon:
         self.reply(identity, {"t": "status", "call": h.get("call"), "status": self.status()})
 
     def handle_bye(self, identity: bytes, h: dict[str, Any]) -> None:
+        self.handle_bell(identity)  # calls written before the bye come first
         self.end_session(identity, "bye")
         self.reply(identity, {"t": "bye", "call": h.get("call")})
 
@@ -552,6 +597,11 @@ class Daemon:
             seg.close()
         if s.door is not None:
             s.door.close()
+        if s.bell is not None and s.bell.fd is not None:
+            self.bells.pop(s.bell.fd, None)
+            if getattr(self, "poller", None) is not None:
+                self.poller.unregister(s.bell.fd)
+            s.bell.close()
         log.info("client pid %d left job %r (%s)", s.pid, s.job, why)
 
     def reap_sessions(self) -> None:

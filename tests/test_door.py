@@ -12,7 +12,8 @@ import pytest
 from birdnet.client import Client
 from cluster import LocalCluster
 
-from birdnet.door import ATOMIC_BYTES, Door, DoorReader
+from birdnet.door import ATOMIC_BYTES, Bell, BellWriter, Door, DoorReader
+from birdnet.errors import ProtocolError
 from birdnet.shm import SHM_DIR, new_name
 
 
@@ -115,7 +116,12 @@ def test_which_way_results_come(tmp_path, monkeypatch):
         def _send(self, header):
             super()._send({k: v for k, v in header.items() if k != "door"})
 
-    class Unannounced(Client):  # has the doorbell, never says so in a call
+    class Unannounced(Client):  # has the doorbells, never says so in a call (nor uses the submit FIFO)
+        def _connect(self, timeout=None):
+            super()._connect(timeout)
+            if self._bell is not None:
+                self._bell.send = lambda header: False
+
         def _send(self, header):
             super()._send({k: v for k, v in header.items() if not (k == "door" and header["t"] == "submit")})
 
@@ -140,3 +146,62 @@ def test_which_way_results_come(tmp_path, monkeypatch):
         with Client(sock, job="d") as c:
             with pytest.raises(ValueError, match="cannot be reduced"):
                 c.allreduce(np.ones(10, np.int32), op="mean", timeout=30)
+
+
+def test_submit_fifo_carries_maps_and_survives_garbage():
+    b = Bell(new_name("bntestbell-"))
+    w = BellWriter(b.name)
+    try:
+        assert all(w.send({"t": "submit", "seq": i}) for i in range(50))
+        assert [m["seq"] for m in b.read()] == list(range(50))
+        assert not w.send({"t": "submit", "name": "x" * ATOMIC_BYTES})  # too large: the socket takes it
+        os.write(w.fd, b"\xc1")
+        assert b.read() == [] and b.garbage == 1
+        assert w.send({"t": "submit", "seq": 50})
+        assert [m["seq"] for m in b.read()] == [50]  # the stream starts over after garbage
+    finally:
+        w.close()
+        b.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, b.name))
+
+
+@pytest.mark.timeout(120)
+def test_calls_through_the_submit_fifo_and_what_the_daemon_does_with_bad_ones(tmp_path):
+    with LocalCluster(1, tmp_path) as cl:
+        with Client(cl.sockets[0], job="bell") as c:
+            assert c._bell is not None
+            sent = []
+            orig = c._bell.send
+            c._bell.send = lambda h: sent.append(h["t"]) or orig(h)
+            c.barrier(timeout=30)
+            assert c.allreduce(np.arange(5, dtype=np.float32), timeout=30).tolist() == [0, 1, 2, 3, 4]
+            assert sent == ["submit", "submit"]  # both calls went through the FIFO
+            # a map that is not a call, a call with a bad field: refused over the socket, by call number
+            orig({"t": "status", "call": 900001})
+            orig({"t": "submit", "call": 900002, "seq": "x", "kind": "allreduce"})
+            deadline = time.monotonic() + 20
+            while not {900001, 900002} <= set(c._replies) and time.monotonic() < deadline:
+                c._pump(0.1)
+            assert c._replies[900001]["t"] == "error" and "unknown request" in c._replies[900001]["message"]
+            assert c._replies[900002]["t"] == "error" and "seq" in c._replies[900002]["message"]
+            # bytes that are not msgpack: the process hears it (not a silent loss), then goes on
+            os.write(c._bell.fd, b"\xc1\xc1")
+            with pytest.raises(ProtocolError, match="undecodable bytes in the submit FIFO"):
+                c._await(-1, 20)
+            assert c.allreduce(np.ones(3, np.float32), timeout=30).tolist() == [1.0] * 3
+        assert "undecodable" in cl.log(0)
+
+
+def test_submit_fifo_reader_never_raises_on_random_bytes():
+    """Whatever a process writes into its submit FIFO, reading it returns messages or counts
+    garbage; it never raises into the daemon's main loop (seeded random blobs)."""
+    rng = np.random.default_rng(7)
+    b = Bell(new_name("bntestbell-"))
+    try:
+        for _ in range(300):
+            blob = rng.integers(0, 256, int(rng.integers(1, 600)), dtype=np.uint8).tobytes()
+            os.write(b.fd, blob)
+            assert isinstance(b.read(), list)
+        assert b.garbage > 0
+    finally:
+        b.close()
