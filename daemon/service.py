@@ -10,12 +10,13 @@ Client protocol (frames as in :mod:`birdnet.wire`; the client's DEALER talks to 
 ==========  ===================================================================================
 request     reply
 ==========  ===================================================================================
-``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, version, door} — or ``error``
-            (``door``, when the hello asked for it with ``door: true``: the name of the result
-            doorbell, a FIFO under /dev/shm; see :mod:`birdnet.door`)
+``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, version, door, bell} — or
+            ``error`` (``door`` and ``bell``, when the hello asked with ``door: true``: the names of
+            the result FIFO and the submit FIFO under /dev/shm; see :mod:`birdnet.door`)
 ``alloc``   ``shm`` {slot, name, nbytes}: a segment the daemon created for this session
 ``submit``  later ``done`` {call, stats} (the result is in the slot) or ``error`` {call, error, message};
-            ``done`` goes through the doorbell when there is one and it takes it
+            a submit may come through the submit FIFO instead (only submits are taken there), and
+            ``done`` goes through the result FIFO once a submit said ``door: true``
 ``status``  ``status`` {...}
 ``bye``     ``bye`` {call}: the session has ended, its segments are unlinked
 ==========  ===================================================================================
