@@ -46,6 +46,8 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         assert ph["data_start"] == pytest.approx(statistics.median(max(run) for run in ph["data_starts"]))
         assert 0 <= ph["handoff_in"] <= ph["result"] and 0 <= ph["handoff_out"] <= ph["result"]
         assert r["daemon_cpu_s"] > 0
+        # nccl-tests' back-to-back time per call: dense only
+        assert (r["loop_s"] > 0) if r["codec"] == "none" else (r["loop_s"] is None)
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6
     # compressed codecs send fewer bytes than dense, and report a (finite) error: they are lossy
@@ -78,6 +80,8 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     # In a 2-node ring each node sends the whole 8 MB once: at 1 Gbit/s 64 ms, less what the token
     # bucket's 512 KB burst lets through at once; unshaped loopback would take a few ms
     assert row["time_s"] > 0.055 and row["gloo_time_s"] > 0.055
+    # back to back (nccl-tests' way), the link is the limit too
+    assert row["loop_s"] > 0.055 and row["gloo_loop_s"] > 0.055 and row["loop_vs_gloo"] > 0
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before, "the benchmark left network namespaces behind"
 

@@ -69,13 +69,24 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                         times.append(t1 - t0)
                         marks.append([t0, t1])
                         stats.append(h.stats)
+                loop = None
+                if not refill:
+                    # As nccl-tests time: the calls back to back after one barrier, total / count. The
+                    # barrier before each run above releases the nodes one hop of the ring apart,
+                    # which a per-run time includes; a training loop has no such barrier.
+                    c.barrier()
+                    t0 = time.monotonic()
+                    for _ in range(cfg["runs"]):
+                        c.allreduce_async(buf, name=f"g{n}", codec=name, **params).wait(900)
+                    loop = (time.monotonic() - t0) / cfg["runs"]
                 if cfg["check"] and not refill:  # every process: one more call, untimed, of the inputs
                     buf[:] = x
                     out = c.allreduce(buf, name=f"g{n}", codec=name, timeout=900, **params)
                 err = None
                 if exact is not None and out is not None:
                     err = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
-                res[f"{label(name, params)}|{n}"] = {"times": times, "marks": marks, "stats": stats, "error": err}
+                res[f"{label(name, params)}|{n}"] = {"times": times, "marks": marks, "stats": stats, "error": err,
+                                                     "loop": loop}
     return res
 
 
@@ -85,7 +96,7 @@ def spans(marks_per_node: list[list[list[float]]]) -> list[float]:
             for i in range(len(marks_per_node[0]))]
 
 
-def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tuple[list[float], list[float]]]:
+def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tuple[list[float], list[float], list[float], float]]:
     port = 29900 + os.getpid() % 50
     procs = []
     for r in range(len(addresses)):
@@ -109,7 +120,8 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tupl
                 p.wait()
     return {n: ([max(o["times"][str(n)][i] for o in outs) for i in range(runs)],
                 spans([o["marks"][str(n)] for o in outs]),
-                [sum(o["cpu"][str(n)][i] for o in outs) for i in range(runs)]) for n in sizes}
+                [sum(o["cpu"][str(n)][i] for o in outs) for i in range(runs)],
+                max(o["loop"][str(n)] for o in outs)) for n in sizes}
 
 
 def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
     nsc = None
     results: dict[str, Any] = {}
-    gloo: dict[int, tuple[list[float], list[float], list[float]]] = {}
+    gloo: dict[int, tuple[list[float], list[float], list[float], float]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
     if a.no_dense_lane:
         extra.append("--no-dense-lane")
@@ -215,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "ratio": float(statistics.median(s.get("ratio", 0.0) for s in stats)),
                                 "compress_seconds": float(statistics.median(s.get("compress_seconds", 0.0) for s in stats)),
                                 "round_seconds": float(statistics.median(s.get("seconds", 0.0) for s in stats)),
-                                "error": per_node[0][key]["error"]}
+                                "error": per_node[0][key]["error"],
+                                # the slowest node's back-to-back time per call (dense only)
+                                "loop": max(pn[key]["loop"] for pn in per_node)
+                                if all(pn[key].get("loop") is not None for pn in per_node) else None}
             if a.vs_gloo:
                 try:
                     import torch  # noqa: F401
@@ -242,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                    "compress_s": r["compress_seconds"], "daemon_round_s": r["round_seconds"], "times": r["times"],
                    "span_s": r["span"], "spans": r["spans"],
                    # all daemons' CPU time (every thread) in one round's data phase, summed over nodes
-                   "daemon_cpu_s": r["cpu"], "phases_s": r["phases"]}
+                   "daemon_cpu_s": r["cpu"], "phases_s": r["phases"],
+                   # nccl-tests' way: `runs` calls back to back after one barrier, the slowest node's
+                   # total / runs (dense only: a lossy codec's result fed back would change the work)
+                   "loop_s": r["loop"]}
             if n in gloo:
                 g = statistics.median(gloo[n][0])
                 row["gloo_time_s"] = g
@@ -254,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                 row["span_vs_gloo"] = r["span"] / row["gloo_span_s"]
                 # all Gloo processes' CPU time (every thread) in one all_reduce call, summed over nodes
                 row["gloo_cpu_s"] = statistics.median(gloo[n][2])
+                row["gloo_loop_s"] = gloo[n][3]
+                if r["loop"] is not None:
+                    row["loop_vs_gloo"] = r["loop"] / gloo[n][3]
             rows.append(row)
     meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
@@ -263,17 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"# {meta['command']}\n# {a.nodes} nodes, {meta['mode']} {a.rate or ''}; {meta['machine']}, all nodes share it")
         hdr = f"{'size(B)':>12} {'count':>10} {'codec':<28} {'time(s)':>9} {'algbw':>7} {'busbw':>7} {'wire B/node':>12} {'ratio':>7} {'error':>9}"
-        hdr += f" {'span(s)':>8}"
+        hdr += f" {'span(s)':>8} {'loop(s)':>8}"
         if gloo:
-            hdr += f" {'gloo(s)':>8} {'x gloo':>7} {'g.span':>8}"
+            hdr += f" {'gloo(s)':>8} {'x gloo':>7} {'g.span':>8} {'g.loop':>8}"
         print(hdr)
         for r in rows:
             line = (f"{r['size_bytes']:>12} {r['count']:>10} {r['codec']:<28} {r['time_s']:>9.4f} {r['algbw_GBps']:>7.3f} "
                     f"{r['busbw_GBps']:>7.3f} {r['wire_bytes_per_node']:>12} {r['ratio']:>7.1f} "
                     f"{(r['error'] if r['error'] is not None else float('nan')):>9.2e}")
-            line += f" {r['span_s']:>8.4f}"
+            line += f" {r['span_s']:>8.4f} " + (f"{r['loop_s']:>8.4f}" if r["loop_s"] is not None else f"{'-':>8}")
             if "gloo_time_s" in r:
-                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f}"
+                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f} {r['gloo_loop_s']:>8.4f}"
             print(line)
         print("# where the time goes (ms after the last node's call; medians): hand-off in, agreement, "
               "data phase, hand-off out; one node's hand-offs in and out (medians over nodes and runs); "

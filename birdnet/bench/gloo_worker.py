@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
                             timeout=__import__("datetime").timedelta(seconds=120))
-    out, spans, cpus = {}, {}, {}
+    out, spans, cpus, loops = {}, {}, {}, {}
     for n in [int(x) for x in a.sizes.split(",")]:
         t = torch.randn(n, generator=torch.Generator().manual_seed(a.rank))
         times, marks, cpu = [], [], []
@@ -43,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         out[str(n)] = times
         spans[str(n)] = marks
         cpus[str(n)] = cpu
+        # as nccl-tests time: the calls back to back after one barrier, total / count
+        dist.barrier()
+        t0 = time.monotonic()
+        for _ in range(a.runs):
+            dist.all_reduce(t)
+        loops[str(n)] = (time.monotonic() - t0) / a.runs
     dist.destroy_process_group()
-    print(json.dumps({"rank": a.rank, "times": out, "marks": spans, "cpu": cpus}))
+    print(json.dumps({"rank": a.rank, "times": out, "marks": spans, "cpu": cpus, "loop": loops}))
     return 0
 
 
