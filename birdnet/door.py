@@ -35,9 +35,10 @@ from birdnet.shm import SHM_DIR
 ATOMIC_BYTES = select.PIPE_BUF
 
 
-class Door:
-    """The daemon's end. ``send`` may be called from the ring worker while the main thread closes
-    the door (the process left): a lock keeps a write from landing on a reused descriptor."""
+class _Fifo:
+    """A FIFO under /dev/shm that the daemon creates (mode and group as its segments) and holds
+    open read-write: opening does not wait for the other end, a write never fails for want of a
+    reader, and a read never sees end-of-file when the process goes."""
 
     def __init__(self, name: str, *, mode: int = 0o600, gid: int | None = None) -> None:
         if "/" in name or not name:
@@ -49,11 +50,38 @@ class Door:
             os.chmod(self.path, mode)  # the umask must not narrow what the group may do
             if gid is not None:
                 os.chown(self.path, -1, gid)
-            # read-write: opening does not wait for a reader, and writes never raise EPIPE
             self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
         except BaseException:
             self.unlink()
             raise
+
+    @property
+    def fd(self) -> int | None:
+        return self._fd
+
+    def unlink(self) -> None:
+        """Remove the name (the open ends keep working)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.unlink()
+
+
+class Door(_Fifo):
+    """The daemon's end of the result FIFO. ``send`` may be called from the ring worker while the
+    main thread closes the door (the process left): a lock keeps a write from landing on a reused
+    descriptor."""
+
+    def __init__(self, name: str, *, mode: int = 0o600, gid: int | None = None) -> None:
+        super().__init__(name, mode=mode, gid=gid)
         self._lock = threading.Lock()
         #: set once the process said (in a submit) that it has its end open; before that nothing
         #: is written, so a process that could not open it loses no result
@@ -73,21 +101,9 @@ class Door:
             except OSError:  # BlockingIOError: the process is not reading
                 return False
 
-    def unlink(self) -> None:
-        """Remove the name (the open ends keep working)."""
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
-
     def close(self) -> None:
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-        self.unlink()
+            super().close()
 
 
 class DoorReader:
@@ -108,17 +124,7 @@ class DoorReader:
         """Move what the pipe holds into ``pending``."""
         if self.fd is None:
             return
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not data:
-                self.eof = True
-                break
-            self._unpacker.feed(data)
-            if len(data) < 1 << 16:
-                break
+        self.eof = _drain(self.fd, self._unpacker)
         try:
             for obj in self._unpacker:
                 if isinstance(obj, dict) and isinstance(obj.get("t"), str):
@@ -132,27 +138,14 @@ class DoorReader:
             self.fd = None
 
 
-class Bell:
+class Bell(_Fifo):
     """The daemon's end of a process's *submit* FIFO (the other direction): the process writes its
     ``submit`` headers here instead of through the client socket, so a call reaches the daemon's
     main thread with one thread wake instead of three (the client's and the daemon's ZeroMQ I/O
-    threads are skipped). Opened read-write, like :class:`Door`: the process can open its end at any
-    time and its exit does not make the pipe report end-of-file. Only the main thread touches it."""
+    threads are skipped). Only the main thread touches it."""
 
     def __init__(self, name: str, *, mode: int = 0o600, gid: int | None = None) -> None:
-        if "/" in name or not name:
-            raise ValueError(f"bad doorbell name {name!r}")
-        self.name = name
-        self.path: str | None = os.path.join(SHM_DIR, name)
-        os.mkfifo(self.path, mode)
-        try:
-            os.chmod(self.path, mode)
-            if gid is not None:
-                os.chown(self.path, -1, gid)
-            self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
-        except BaseException:
-            self.unlink()
-            raise
+        super().__init__(name, mode=mode, gid=gid)
         self._unpacker = _unpacker()
         #: bytes that were not msgpack (the stream was dropped and restarted), for the log
         self.garbage = 0
@@ -161,16 +154,7 @@ class Bell:
         """Whatever complete messages the pipe holds (anything msgpack; the caller checks them)."""
         if self.fd is None:
             return []
-        while True:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            self._unpacker.feed(data)
-            if len(data) < 1 << 16:
-                break
+        _drain(self.fd, self._unpacker)
         out = []
         try:
             out.extend(self._unpacker)
@@ -178,20 +162,6 @@ class Bell:
             self.garbage += 1
             self._unpacker = _unpacker()
         return out
-
-    def unlink(self) -> None:
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = None
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.unlink()
 
 
 class BellWriter:
@@ -220,6 +190,20 @@ class BellWriter:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _drain(fd: int, unpacker: msgpack.Unpacker) -> bool:
+    """Feed what the pipe holds to ``unpacker``; True at end-of-file (no writer left)."""
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return False
+        if not data:
+            return True
+        unpacker.feed(data)
+        if len(data) < 1 << 16:
+            return False
 
 
 def _unpacker() -> msgpack.Unpacker:

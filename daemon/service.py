@@ -393,7 +393,7 @@ class Daemon:
                    "local_size": ls, "node": self.rank, "world": self.world, "version": __version__}
         if s.door is not None and s.bell is not None:
             welcome["door"], welcome["bell"] = s.door.name, s.bell.name
-            if getattr(self, "poller", None) is not None and s.bell.fd is not None:
+            if self.poller is not None and s.bell.fd is not None:
                 self.poller.register(s.bell.fd, zmq.POLLIN)
                 self.bells[s.bell.fd] = identity
         self.reply(identity, welcome)
@@ -598,10 +598,9 @@ class Daemon:
             seg.close()
         if s.door is not None:
             s.door.close()
-        if s.bell is not None and s.bell.fd is not None:
-            self.bells.pop(s.bell.fd, None)
-            if getattr(self, "poller", None) is not None:
-                self.poller.unregister(s.bell.fd)
+        if s.bell is not None:
+            if self.bells.pop(s.bell.fd, None) is not None and self.poller is not None:
+                self.poller.unregister(s.bell.fd)  # registered together with its entry in bells
             s.bell.close()
         log.info("client pid %d left job %r (%s)", s.pid, s.job, why)
 
