@@ -4,8 +4,8 @@
 A result handed back through the client socket wakes four threads one after the other: the
 daemon's main thread, its ZeroMQ I/O thread, the client's I/O thread and the client's thread. On a
 machine whose cores are busy (the ring of the other nodes still running, or every node of a local
-cluster on one box) each wake waits for a core, and the hand-off took 1.1 ms at 4 nodes and 1.8 ms
-at 8 nodes on this project's 2-core test machine. Through the doorbell the ring worker writes the
+cluster on one box) each wake waits for a core: one node's hand-off back took 0.8-1.0 ms at 4 nodes
+and 1.3-1.8 ms at 8 nodes on this project's 2-core test machine (docs/results/ab_door_*.json). Through the doorbell the ring worker writes the
 ``done`` header itself, the moment the result is in shared memory, and only the waiting process
 wakes. Everything else (requests, errors, and ``done`` when the doorbell cannot take it) still goes
 through the socket: the client matches replies by call number, whichever way they came.
@@ -91,15 +91,7 @@ class Door(_Fifo):
     def send(self, header: dict[str, Any]) -> bool:
         """Write ``header``; False when it did not go (door closed, pipe full, too large)."""
         with self._lock:
-            if self._fd is None:
-                return False
-            data = self._packer.pack(header)
-            if len(data) > ATOMIC_BYTES:
-                return False
-            try:
-                return os.write(self._fd, data) == len(data)
-            except OSError:  # BlockingIOError: the process is not reading
-                return False
+            return _write(self._fd, self._packer, header)
 
     def close(self) -> None:
         with self._lock:
@@ -111,10 +103,8 @@ class DoorReader:
     arrived (maps only; anything else is dropped)."""
 
     def __init__(self, name: str) -> None:
-        if "/" in name or not name:
-            raise ValueError(f"bad doorbell name {name!r}")
         self.name = name
-        self.fd: int | None = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NONBLOCK)
+        self.fd: int | None = _open(name, os.O_RDONLY)
         self._unpacker = _unpacker()
         self.pending: deque[dict[str, Any]] = deque()
         #: the daemon closed its end (it exited): the caller closes this one and stops polling it
@@ -169,27 +159,39 @@ class BellWriter:
     large, pipe full, daemon gone); the caller then sends it through the socket."""
 
     def __init__(self, name: str) -> None:
-        if "/" in name or not name:
-            raise ValueError(f"bad doorbell name {name!r}")
         self.name = name
-        self.fd: int | None = os.open(os.path.join(SHM_DIR, name), os.O_WRONLY | os.O_NONBLOCK)
+        self.fd: int | None = _open(name, os.O_WRONLY)
         self._packer = msgpack.Packer(use_bin_type=True)
 
     def send(self, header: dict[str, Any]) -> bool:
-        if self.fd is None:
-            return False
-        data = self._packer.pack(header)
-        if len(data) > ATOMIC_BYTES:
-            return False
-        try:
-            return os.write(self.fd, data) == len(data)
-        except OSError:  # BlockingIOError (the daemon is not reading), BrokenPipeError (it exited)
-            return False
+        return _write(self.fd, self._packer, header)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _open(name: str, flags: int) -> int:
+    """The process's end of the FIFO the daemon named ``name`` (never blocks)."""
+    if "/" in name or not name:
+        raise ValueError(f"bad doorbell name {name!r}")
+    return os.open(os.path.join(SHM_DIR, name), flags | os.O_NONBLOCK)
+
+
+def _write(fd: int | None, packer: msgpack.Packer, header: dict[str, Any]) -> bool:
+    """Write ``header`` as one atomic message; False when it did not go: no descriptor, larger than
+    ATOMIC_BYTES, or the write failed (BlockingIOError: the reader is not reading; BrokenPipeError:
+    the daemon exited)."""
+    if fd is None:
+        return False
+    data = packer.pack(header)
+    if len(data) > ATOMIC_BYTES:
+        return False
+    try:
+        return os.write(fd, data) == len(data)
+    except OSError:
+        return False
 
 
 def _drain(fd: int, unpacker: msgpack.Unpacker) -> bool:

@@ -72,7 +72,7 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                 loop = None
                 if not refill:
                     # As nccl-tests time: the calls back to back after one barrier, total / count. The
-                    # barrier before each run above releases the nodes one hop of the ring apart,
+                    # barrier before each run above releases the nodes up to a trip round the ring apart,
                     # which a per-run time includes; a training loop has no such barrier.
                     c.barrier()
                     t0 = time.monotonic()
