@@ -205,3 +205,19 @@ def test_submit_fifo_reader_never_raises_on_random_bytes():
         assert b.garbage > 0
     finally:
         b.close()
+
+
+@pytest.mark.timeout(240)
+def test_calls_split_between_fifo_and_socket_run_in_call_order(tmp_path):
+    """A call whose header is too large for the submit FIFO goes over the socket; calls before and
+    after it go through the FIFO and may reach the daemon first. Every node must still run the
+    job's rounds as numbered (a round matched with another call's on a neighbour would fail or
+    hang), so every result is the exact sum of that call's inputs."""
+    import workers
+    count = 30
+    with LocalCluster(3, tmp_path) as cl:
+        for _ in range(3):
+            res = cl.run(workers.mixed_paths, count, timeout=200)
+            for firsts, paths in res:
+                assert firsts == [3.0 * i for i in range(count)]
+                assert paths == {"fifo": count - 10, "socket": 10}

@@ -129,3 +129,26 @@ def lane_rounds(sock, node, local, plan, n=1000, job="default", delay_before=Non
             except Exception as exc:  # noqa: BLE001 - the test looks at the class and message
                 out.append((type(exc).__name__, str(exc)))
         return out, c.status()
+
+
+def mixed_paths(sock, node, local, count, long_every=3):
+    """``count`` sum all-reduces in flight at once, every ``long_every``-th with a name too long for
+    one atomic write into the submit FIFO, so that call goes over the socket while its neighbours
+    go through the FIFO (the two can reach the daemon in either order). Returns the first element
+    of each result and how many calls took each path."""
+    with Client(sock) as c:
+        c.barrier()
+        paths = {"fifo": 0, "socket": 0}
+        if c._bell is not None:
+            orig = c._bell.send
+
+            def counting(h):
+                ok = orig(h)
+                paths["fifo" if ok else "socket"] += h.get("t") == "submit"
+                return ok
+            c._bell.send = counting
+        hs = []
+        for i in range(count):
+            name = ("long-" * 1000 + str(i)) if i % long_every == 0 else f"m{i}"
+            hs.append(c.allreduce_async(np.full(257, float(i), np.float32), op="sum", name=name))
+        return [float(h.wait(60)[0]) for h in hs], paths
