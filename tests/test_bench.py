@@ -75,6 +75,7 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     out = json.loads(p.stdout)
     (row,) = out["rows"]
     assert out["meta"]["mode"] == "netns" and out["meta"]["rate"] == "1gbit"
+    assert out["meta"]["tcp_cc"] == netns.ipv4_sysctl("tcp_congestion_control")[0]  # the machine's
     assert row["gloo_time_s"] > 0 and row["gloo_span_s"] > 0 and row["vs_gloo"] > 0
     assert row["gloo_cpu_s"] > 0 and row["daemon_cpu_s"] > 0
     # In a 2-node ring each node sends the whole 8 MB once: at 1 Gbit/s 64 ms, less what the token
@@ -84,6 +85,39 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     assert row["loop_s"] > 0.055 and row["gloo_loop_s"] > 0.055 and row["loop_vs_gloo"] > 0
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before, "the benchmark left network namespaces behind"
+
+
+def _ns_cc(ns: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not netns.available()[0], reason="network namespaces need root and iproute2")
+def test_netns_cluster_sets_the_tcp_congestion_control_or_says_why_not():
+    allowed = netns.ipv4_sysctl("tcp_allowed_congestion_control")
+    machine = netns.ipv4_sysctl("tcp_congestion_control")
+    # one the namespaces may take, other than the machine's when there is one (reno is built in)
+    others = [c for c in allowed if c not in machine] or allowed
+    if not others:
+        pytest.skip("no congestion control is allowed in namespaces here")
+    with netns.NetnsCluster(2, tcp_cc=others[0]) as nsc:
+        assert [_ns_cc(ns) for ns in nsc.names] == [others[0]] * 2
+    with netns.NetnsCluster(1) as nsc:  # without: the machine's
+        assert _ns_cc(nsc.names[0]) == machine[0]
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    with pytest.raises(RuntimeError, match="'no-such-cc' is not available in this kernel"):
+        netns.NetnsCluster(2, tcp_cc="no-such-cc").__enter__()
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert after <= before, "a failed setup left namespaces behind"
+    # the command says so and exits 2; without --netns it refuses the flag
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for extra in (["--netns"], []):
+        p = subprocess.run([sys.executable, "-m", "birdnet.cli", "bench", "allreduce", "--nodes", "2", "--sizes",
+                            "1000", "--runs", "1", "--tcp-cc", "no-such-cc", *extra],
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert p.returncode == 2
+        assert ("not available in this kernel" if extra else "--tcp-cc needs --netns") in p.stderr
 
 
 @pytest.mark.timeout(400)

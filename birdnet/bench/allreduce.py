@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--netns", action="store_true", help="each daemon in its own network namespace (root)")
     p.add_argument("--rate", default=None, help="token-bucket rate of every link with --netns, e.g. 1gbit, 100mbit")
+    p.add_argument("--tcp-cc", metavar="NAME", default=None,
+                   help="TCP congestion control in every namespace with --netns (e.g. cubic, bbr); "
+                        "default: the machine's")
     p.add_argument("--vs-gloo", action="store_true", help="torch.distributed/Gloo on the same links, same run")
     p.add_argument("--no-check", action="store_true", help="skip the error against the exact mean")
     p.add_argument("--chunk-bytes", type=int, default=None)
@@ -176,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.rate and not a.netns:
         p.error("--rate needs --netns")
+    if a.tcp_cc and not a.netns:
+        p.error("--tcp-cc needs --netns")
     cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
     nsc = None
     results: dict[str, Any] = {}
@@ -192,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not ok:
                     print(f"birdnet bench: --netns unavailable: {why}", file=sys.stderr)
                     return 2
-                nsc = netns.NetnsCluster(a.nodes, a.rate).__enter__()
+                try:
+                    nsc = netns.NetnsCluster(a.nodes, a.rate, tcp_cc=a.tcp_cc).__enter__()
+                except RuntimeError as e:  # what was made is gone again (__enter__ tore it down)
+                    print(f"birdnet bench: cannot set up the namespaces: {e}", file=sys.stderr)
+                    return 2
                 prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
                 cl = LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes, extra=extra, **slow)
             else:
@@ -278,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
+            # what the connections ran with: set, or the machine's (a new namespace's default)
+            "tcp_cc": a.tcp_cc or next(iter(netns.ipv4_sysctl("tcp_congestion_control")), None),
             "command": "birdnet bench allreduce " + " ".join(argv if argv is not None else sys.argv[1:])}
     if a.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -35,6 +35,15 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip()}")
 
 
+def ipv4_sysctl(name: str) -> list[str]:
+    """The words of /proc/sys/net/ipv4/``name`` in this process's namespace ([] if unreadable)."""
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
 def cleanup_stale() -> None:
     """Delete namespaces of earlier runs whose process is gone."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -47,10 +56,12 @@ def cleanup_stale() -> None:
 
 
 class NetnsCluster:
-    """``n`` namespaces ``bn<pid>-<i>`` with addresses ``10.213.<k>.<i+1>``; ``rate`` like "1gbit"."""
+    """``n`` namespaces ``bn<pid>-<i>`` with addresses ``10.213.<k>.<i+1>``; ``rate`` like "1gbit";
+    ``tcp_cc`` the TCP congestion control of every namespace (e.g. "cubic"; None: the machine's)."""
 
-    def __init__(self, n: int, rate: str | None = None, *, subnet: int | None = None) -> None:
-        self.n, self.rate = n, rate
+    def __init__(self, n: int, rate: str | None = None, *, subnet: int | None = None,
+                 tcp_cc: str | None = None) -> None:
+        self.n, self.rate, self.tcp_cc = n, rate, tcp_cc
         self.tag = f"{PREFIX}{os.getpid()}"
         self.subnet = subnet if subnet is not None else os.getpid() % 250
         self.hub = f"{self.tag}-hub"
@@ -87,8 +98,30 @@ class NetnsCluster:
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.tcp_cc:
+                self.set_tcp_cc(ns, self.tcp_cc)
             if self.rate:
                 self.shape(i, self.rate)
+
+    @staticmethod
+    def set_tcp_cc(ns: str, name: str) -> None:
+        """Set the TCP congestion control of namespace ``ns`` (a new namespace starts with the
+        machine's). Outside the machine's own namespace the kernel only takes the algorithms listed
+        in net.ipv4.tcp_allowed_congestion_control, which only the machine's namespace can change."""
+        r = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                            f"net.ipv4.tcp_congestion_control={name}"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+        available, allowed = (ipv4_sysctl(f"tcp_{k}_congestion_control") for k in ("available", "allowed"))
+        if available and name not in available:
+            raise RuntimeError(f"TCP congestion control {name!r} is not available in this kernel "
+                               f"(available: {' '.join(available)}; a module may need loading: modprobe tcp_{name})")
+        if allowed and name not in allowed:
+            raise RuntimeError(f"TCP congestion control {name!r} is not allowed in network namespaces here "
+                               f"(net.ipv4.tcp_allowed_congestion_control = {' '.join(allowed)}); allow it with "
+                               f"`sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{' '.join([*allowed, name])}\"`"
+                               " or pick one of those")
+        raise RuntimeError(f"cannot set TCP congestion control {name!r} in {ns}: {r.stderr.strip()}")
 
     def shape(self, i: int, rate: str) -> None:
         """Token-bucket shaping of node i's egress (in a ring each node's ingress is its left
