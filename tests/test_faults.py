@@ -335,6 +335,49 @@ def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
         assert segments(cl.sockets[1]) == []
 
 
+@pytest.mark.timeout(180)
+def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works(tmp_path):
+    """A TCP connection between two daemons that both stay up is reset (``ss -K``, as a NAT box or
+    a flapping link would) while rounds run: ZeroMQ reconnects at once, the messages that were in
+    flight are lost, and the ring's per-message step/chunk check fails the round on the node that
+    misses them, within a fraction of a second, not after peer_timeout; the abort fails it wherever
+    it has not finished. No result is ever wrong, and the calls after the last reset all work."""
+    import workers
+    if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
+        pytest.skip("needs iproute2's ss")
+    import re
+    calls = 300
+
+    def lost_one(cl) -> bool:
+        return any(re.search(r"round default/\d+ failed", cl.log(i)) for i in range(3))
+
+    with LocalCluster(3, tmp_path) as cl:
+        port1 = int(cl.hosts.read_text().splitlines()[2].rsplit(":", 1)[1])  # node 1's peer port
+        w = cl.run_async(workers.steady_calls, calls, 4_000_000)
+        time.sleep(2.0)
+        kills = 0
+        while kills < 30 and not lost_one(cl):
+            r = subprocess.run(["ss", "-K", "dport", "=", str(port1)], capture_output=True, text=True)
+            if r.returncode != 0 or "ESTAB" not in r.stdout:
+                pytest.skip(f"cannot reset TCP connections here (ss -K: {r.stderr.strip()[:200]})")
+            kills += 1
+            time.sleep(0.3)
+        res = w.get(timeout=150)
+        assert lost_one(cl), f"{kills} resets and no round lost a message: the test proves nothing"
+    failed = set()
+    for node, out in enumerate(res):
+        assert len(out) == calls
+        for i, (what, value, took) in enumerate(out):
+            if what == "ok":
+                assert value == 3.0, (node, i, value)
+            else:
+                assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
+                failed.add(i)
+            assert took < PEER_TIMEOUT + SLACK, (node, i, what, value, took)
+    assert failed and max(failed) < calls - 20, failed
+    assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
+
+
 ok_ns, why_ns = netns.available()
 
 

@@ -152,3 +152,22 @@ def mixed_paths(sock, node, local, count, long_every=3):
             name = ("long-" * 1000 + str(i)) if i % long_every == 0 else f"m{i}"
             hs.append(c.allreduce_async(np.full(257, float(i), np.float32), op="sum", name=name))
         return [float(h.wait(60)[0]) for h in hs], paths
+
+
+def steady_calls(sock, node, local, calls, n):
+    """``calls`` sum all-reduces of ``n`` ones, one after another as a training loop makes them;
+    per call (outcome, first element or error message, seconds). A failed call does not stop it."""
+    import time
+    out = []
+    with Client(sock) as c:
+        c.barrier(timeout=30)
+        x = np.ones(n, np.float32)
+        for _ in range(calls):
+            t = time.monotonic()
+            try:
+                r = c.allreduce(x, op="sum", name="g", timeout=60)
+                ok = bool(np.all(r == r[0]))
+                out.append(("ok" if ok else "uneven", float(r[0]), time.monotonic() - t))
+            except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
+                out.append((type(exc).__name__, str(exc), time.monotonic() - t))
+    return out
