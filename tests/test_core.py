@@ -148,6 +148,33 @@ def test_dense_ring_integer_sum_exact_and_fp16_wire(world):
     assert np.allclose(res[0], np.sum(ys, axis=0), atol=0.02 * world)
 
 
+def test_dense_ring_message_lost_on_the_way_is_named_not_summed_past():
+    """A message lost between two nodes (over TCP: a connection that broke and reconnected) makes
+    the receiver fail with the step it expected and what that means, instead of adding the wrong
+    chunk; the nodes that wait for it fail by their deadline."""
+    ring = MemoryRing(3)
+    sent = {"n": 0}
+    real_send = ring.transports[0].send
+
+    def lossy(header, buffers=()):
+        sent["n"] += 1
+        if sent["n"] != 3:  # rank 0's third message never arrives
+            real_send(header, buffers)
+    ring.transports[0].send = lossy
+    xs = [np.ones(10_000, np.float32) for _ in range(3)]
+
+    def run(t):
+        try:
+            return ring_allreduce(t, xs[t.rank], timeout=2, chunk_bytes=4096)
+        except Exception as exc:  # noqa: BLE001 - each rank's outcome is looked at below
+            return exc
+    res = ring.run(run, timeout=30)
+    assert isinstance(res[1], ProtocolError)
+    assert "ring out of step: expected rs step 0 chunk 2, got 'rs' step 0 chunk 3 from rank 0" in str(res[1])
+    assert "TCP connection between the two daemons broke" in str(res[1])
+    assert all(isinstance(r, Exception) for r in res), res  # nobody finished with a wrong sum
+
+
 def test_segment_bounds_alignment():
     b = segment_bounds(1003, 4, align=8)
     assert b[0] == 0 and b[-1] == 1003 and all(x % 8 == 0 for x in b[:-1])

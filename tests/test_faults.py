@@ -375,6 +375,9 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
                 failed.add(i)
             assert took < PEER_TIMEOUT + SLACK, (node, i, what, value, took)
     assert failed and max(failed) < calls - 20, failed
+    # the node that missed a message says what that means
+    messages = [value for out in res for what, value, _ in out if what != "ok"]
+    assert any("TCP connection between the two daemons broke" in m for m in messages), messages[:5]
     assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
 
 

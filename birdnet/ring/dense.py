@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from birdnet.errors import ProtocolError, RoundMismatchError
-from birdnet.ring.transport import Transport
+from birdnet.ring.transport import OUT_OF_STEP_HINT, Transport
 
 
 def segment_bounds(n: int, world: int, align: int = 1) -> list[int]:
@@ -60,7 +60,7 @@ class _Checker:
             raise ProtocolError(
                 f"ring out of step: expected {phase} step {step} chunk {chunk}, got "
                 f"{header.get('p')!r} step {header.get('s')!r} chunk {header.get('c')!r} from rank "
-                f"{(self.rank - 1) % self.world}")
+                f"{(self.rank - 1) % self.world}{OUT_OF_STEP_HINT}")
         err = header.get("err")
         if err and self.error is None:
             self.error = str(err)

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from birdnet.errors import ProtocolError, RoundMismatchError
-from birdnet.ring.transport import Transport
+from birdnet.ring.transport import OUT_OF_STEP_HINT, Transport
 
 
 def ring_allgather(transport: Transport, header: dict[str, Any], buffers: list[Any], *, timeout: float,
@@ -33,7 +33,7 @@ def ring_allgather(transport: Transport, header: dict[str, Any], buffers: list[A
         rh, rbufs = transport.recv(time.monotonic() + timeout)
         if rh.get("p") != "gather" or rh.get("s") != s or rh.get("src") != expect:
             raise ProtocolError(f"all-gather out of step: expected step {s} payload of rank {expect}, got "
-                                f"{rh.get('p')!r} step {rh.get('s')!r} src {rh.get('src')!r}")
+                                f"{rh.get('p')!r} step {rh.get('s')!r} src {rh.get('src')!r}{OUT_OF_STEP_HINT}")
         if rh.get("err") and error is None:
             error = str(rh["err"])
         if error is None and rh.get("tag") != tag:

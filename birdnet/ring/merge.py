@@ -51,7 +51,7 @@ from birdnet.codecs.base import Payload, RoundContext
 from birdnet.errors import InputError, ProtocolError, RoundMismatchError
 from birdnet.kernels.signbits import nbytes_for
 from birdnet.ring.dense import ring_allreduce, segment_bounds
-from birdnet.ring.transport import Transport
+from birdnet.ring.transport import OUT_OF_STEP_HINT, Transport
 
 __all__ = ["merged_allreduce", "merge_bounds", "hop_seed"]
 
@@ -156,7 +156,7 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
                 or header.get("seg") != seg:
             got = (header.get("p"), header.get("s"), header.get("seg")) if isinstance(header, dict) else header
             raise ProtocolError(f"{where}: ring out of step: expected ({phase!r}, {step}, segment {seg}), "
-                                f"got {got!r}")
+                                f"got {got!r}{OUT_OF_STEP_HINT}")
         if header.get("err") and error is None:
             error = str(header["err"])
         if header.get("codec") != codec.name or header.get("n") != n:

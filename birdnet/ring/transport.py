@@ -24,6 +24,12 @@ import numpy as np
 
 from birdnet.errors import PeerLostError
 
+#: What an out-of-step message means in practice, for the errors that report one. Messages between
+#: two daemons travel in order over one ZeroMQ connection, which loses them only when its TCP
+#: connection breaks and reconnects (a NAT box, a flapping link, ``ss -K``) while both stay up.
+OUT_OF_STEP_HINT = ("; a message from the left neighbour was lost, most likely because the TCP connection "
+                    "between the two daemons broke and reconnected: this call failed, the next one runs afresh")
+
 
 class Transport(Protocol):
     rank: int
