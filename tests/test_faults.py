@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from cluster import LocalCluster
 
 from birdnet.bench import netns
+from birdnet.hosts import load_hosts
 
 PEER_TIMEOUT = 4.0
 SLACK = 3.0  # detection runs on heartbeats (0.25 s) and the loops' poll intervals
@@ -345,14 +347,13 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
     import workers
     if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
         pytest.skip("needs iproute2's ss")
-    import re
     calls = 300
 
     def lost_one(cl) -> bool:
         return any(re.search(r"round default/\d+ failed", cl.log(i)) for i in range(3))
 
     with LocalCluster(3, tmp_path) as cl:
-        port1 = int(cl.hosts.read_text().splitlines()[2].rsplit(":", 1)[1])  # node 1's peer port
+        port1 = load_hosts(cl.hosts)[1].port  # node 1's peer port: only node 0 connects to it
         w = cl.run_async(workers.steady_calls, calls, 4_000_000)
         time.sleep(2.0)
         kills = tries = 0

@@ -10,7 +10,7 @@
 token bucket's counters (bytes and packets sent, dropped, overlimits) and its TCP retransmissions;
 `ss -tin` of node 0; and whether the Gloo ranks are running (birdnet runs first, then Gloo).
 `summary` keeps, for node 0's sending connection (the one that sent over 50 MB), BBR's bandwidth
-estimate, pacing gain, congestion window and RTT per sample, and the totals per phase.
+estimate, pacing gain, congestion window, RTT and unsent queued bytes per sample, and the totals per phase.
 A throwaway-grade tool: it runs `ip`, `tc` and `ss` as root and is not part of birdnet.
 """
 import json
@@ -65,14 +65,18 @@ def summary(path):
                 samples.append({"bbr_bw_mbit": round(int(bw.group(1)) / 1e6, 1) if bw else None,
                                 "pacing_gain": float(gain.group(1)) if gain else None,
                                 "cwnd": int(re.search(r"cwnd:(\d+)", block).group(1)),
-                                "rtt_ms": float(re.search(r" rtt:([\d.]+)", block).group(1))})
+                                "rtt_ms": float(re.search(r" rtt:([\d.]+)", block).group(1)),
+                                # bytes the application had queued that TCP had not sent yet
+                                "notsent_bytes": int(ns.group(1)) if (ns := re.search(r"notsent:(\d+)", block)) else 0})
         bbr = samples and all(s["bbr_bw_mbit"] is not None for s in samples)
         res["phases"][phase] = {
             "totals_all_nodes": tot, "samples": samples,
             "bw_estimate_over_1gbit": sum((s["bbr_bw_mbit"] or 0) > 1000 for s in samples),
             "median_bw_mbit": statistics.median(s["bbr_bw_mbit"] for s in samples) if bbr else None,
             "median_cwnd": statistics.median(s["cwnd"] for s in samples) if samples else None,
-            "median_rtt_ms": statistics.median(s["rtt_ms"] for s in samples) if samples else None}
+            "median_rtt_ms": statistics.median(s["rtt_ms"] for s in samples) if samples else None,
+            "notsent_quartiles_bytes": statistics.quantiles([s["notsent_bytes"] for s in samples], n=4)
+            if len(samples) > 1 else None}
     json.dump(res, sys.stdout, indent=1)
     print()
 
