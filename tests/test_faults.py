@@ -337,13 +337,16 @@ def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
         assert segments(cl.sockets[1]) == []
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works(tmp_path):
     """A TCP connection between two daemons that both stay up is reset (``ss -K``, as a NAT box or
     a flapping link would) while rounds run: ZeroMQ reconnects at once, the messages that were in
     flight are lost, and the ring's per-message step/chunk check fails the round on the node that
     misses them, within a fraction of a second, not after peer_timeout; the abort fails it wherever
-    it has not finished. No result is ever wrong, and the calls after the last reset all work."""
+    it has not finished. No result is ever wrong, and the calls after the last reset all work.
+    A lost control message or a round's very last message is noticed only by the timeouts (a lane
+    round waits round_timeout for it, then peer_timeout): round_timeout is 10 s here so that such a
+    call fails within the test instead of after the default 600 s (found in CI)."""
     import workers
     if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
         pytest.skip("needs iproute2's ss")
@@ -352,7 +355,8 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
     def lost_one(cl) -> bool:
         return any(re.search(r"round default/\d+ failed", cl.log(i)) for i in range(3))
 
-    with LocalCluster(3, tmp_path) as cl:
+    round_timeout = 10.0
+    with LocalCluster(3, tmp_path, extra=["--round-timeout", str(round_timeout)]) as cl:
         port1 = load_hosts(cl.hosts)[1].port  # node 1's peer port: only node 0 connects to it
         w = cl.run_async(workers.steady_calls, calls, 4_000_000)
         time.sleep(2.0)
@@ -365,7 +369,7 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
                 pytest.skip(f"cannot reset TCP connections here (ss -K: {r.stderr.strip()[:200] or 'nothing killed'})")
             kills += "ESTAB" in r.stdout  # none while ZeroMQ is reconnecting: try again
             time.sleep(0.3)
-        res = w.get(timeout=150)
+        res = w.get(timeout=240)
         assert lost_one(cl), f"{kills} resets and no round lost a message: the test proves nothing"
     failed = set()
     for node, out in enumerate(res):
@@ -376,8 +380,11 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
             else:
                 assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
                 failed.add(i)
-            assert took < PEER_TIMEOUT + SLACK, (node, i, what, value, took)
+            assert took < round_timeout + PEER_TIMEOUT + SLACK, (node, i, what, value, took)
     assert failed and max(failed) < calls - 20, failed
+    # most lost messages are noticed at the next one, within a fraction of a second
+    fast = [took for out in res for what, _, took in out if what != "ok" and took < 2.0]
+    assert fast, [o for out in res for o in out if o[0] != "ok"][:5]
     # the node that missed a message says what that means
     messages = [value for out in res for what, value, _ in out if what != "ok"]
     assert any("TCP connection between the two daemons broke" in m for m in messages), messages[:5]
