@@ -8,6 +8,7 @@ import sys
 from birdnet import __version__
 from birdnet.config import Settings, load_settings
 from birdnet.errors import BirdnetError, ConfigError
+from birdnet.osutil import keep_freed_buffers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, settings.log_level.upper(), logging.INFO),
                         format="%(asctime)s birdnetd %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from birdnet.daemon.service import Daemon
+    # process-wide, so here at the process's entry and not in Daemon (which tests run in-process)
+    logging.getLogger("birdnet.daemon").info("%s", keep_freed_buffers(settings.chunk_bytes))
     try:
         daemon = Daemon(settings)
         return daemon.serve_forever()
