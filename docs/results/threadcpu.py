@@ -1,0 +1,110 @@
+"""Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "Freed message buffers").
+
+    python docs/results/threadcpu.py --nodes 8 --calls 200 --rate 1gbit > OUT.json
+
+Starts NODES daemons, each in its own network namespace with a token-bucket link (root), one
+process per node, and times CALLS back-to-back dense all-reduces of 1,000,000 float32 in shared
+memory after 5 warm-up calls. Around the timed calls it reads every daemon thread's CPU time and
+minor page faults from /proc (main thread, the ring thread, ZeroMQ's I/O thread) and the machine's
+CPU time from /proc/stat, and prints them per call in ms (faults per call), summed over the
+daemons. To compare with glibc's malloc defaults, run it once with
+GLIBC_TUNABLES=glibc.malloc.perturb=0 in the environment (any malloc tunable makes birdnetd leave
+malloc alone; perturb=0 is glibc's default). A measuring tool, not part of birdnet.
+"""
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from birdnet.bench import netns
+from birdnet.bench.cluster import LocalCluster
+
+TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
+
+
+def snapshot() -> dict:
+    """(pid, tid, thread kind) -> (user ticks, system ticks, minor faults) of every birdnetd thread."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        if "birdnet.daemon.main" not in cmd:
+            continue
+        for tid in tids:
+            try:
+                st = open(f"/proc/{pid}/task/{tid}/stat").read()
+            except OSError:
+                continue
+            name = st[st.index("(") + 1:st.rindex(")")]
+            f = st[st.rindex(")") + 2:].split()
+            # the main thread is the process; Python's other threads keep the interpreter's name
+            kind = "main" if tid == pid else ("zmq_io" if name.startswith("ZMQbg/IO") else
+                                              "zmq_reaper" if name.startswith("ZMQbg") else "ring")
+            out[(pid, tid, kind)] = (int(f[11]), int(f[12]), int(f[7]))
+    return out
+
+
+def machine() -> list[int]:
+    return [int(x) for x in open("/proc/stat").readline().split()[1:8]]
+
+
+def worker(sock, node, local, cfg):
+    from birdnet.client import Client
+    with Client(sock, job="threadcpu") as c:
+        buf = c.buffer((cfg["n"],), np.float32)
+        buf[:] = np.random.default_rng(c.rank).standard_normal(cfg["n"]).astype(np.float32)
+        for _ in range(5):
+            c.allreduce_async(buf, name="g").wait(60)
+        c.barrier()
+        before = (snapshot(), machine()) if c.rank == 0 else None
+        c.barrier()
+        t0 = time.monotonic()
+        for _ in range(cfg["calls"]):
+            c.allreduce_async(buf, name="g").wait(60)
+        loop = (time.monotonic() - t0) / cfg["calls"]
+        c.barrier()
+        if c.rank != 0:
+            return {"loop_ms": loop * 1e3}
+        s1, m1 = snapshot(), machine()
+        s0, m0 = before
+        per = collections.Counter()
+        for k, (u, s, flt) in s1.items():
+            if k in s0:
+                per[f"{k[2]}_user_ms"] += (u - s0[k][0]) * TICK_MS / cfg["calls"]
+                per[f"{k[2]}_system_ms"] += (s - s0[k][1]) * TICK_MS / cfg["calls"]
+                per[f"{k[2]}_faults"] += (flt - s0[k][2]) / cfg["calls"]
+        names = ["user", "nice", "system", "idle", "iowait", "irq", "softirq"]
+        return {"loop_ms": loop * 1e3, "daemons_per_call": {k: round(v, 2) for k, v in sorted(per.items())},
+                "machine_ms_per_call": {n: round((b - a) * TICK_MS / cfg["calls"], 2) for n, a, b in zip(names, m0, m1)}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--size", type=int, default=1_000_000)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, netns.NetnsCluster(a.nodes, a.rate) as nsc:
+        prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
+        with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes,
+                          peer_timeout=60.0, heartbeat_interval=1.0) as cl:
+            res = cl.run(worker, {"n": a.size, "calls": a.calls}, per_node=1, timeout=900)
+    node0 = next(r for r in res if "daemons_per_call" in r)
+    json.dump({"nodes": a.nodes, "rate": a.rate, "size": a.size, "calls": a.calls,
+               "malloc_env": os.environ.get("GLIBC_TUNABLES", ""), "machine": f"{os.cpu_count()} cores",
+               "loop_ms_slowest": round(max(r["loop_ms"] for r in res), 2), **node0}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
