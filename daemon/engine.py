@@ -698,6 +698,9 @@ class RingWorker(threading.Thread):
                 raise RoundTimeoutError(f"round {key} did not start on every node within "
                                         f"round_timeout={self.settings.round_timeout} s")
             msg = net.poll(0.05)
+            gap = net.take_gap()  # the message waited for may be among the lost ones
+            if gap:
+                raise PeerLostError(f"round {key} could not start: {gap}")
             if msg is None:
                 continue
             h = msg["h"]

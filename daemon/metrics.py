@@ -208,6 +208,10 @@ class MetricsServer:
         if net is not None:
             sent.append(({"rank": net.right.rank, "address": net.right.address}, net.bytes_sent))
             received.append(({"rank": net.left.rank, "address": net.left.address}, net.bytes_received))
+        family("birdnet_peer_messages_lost_total", "counter",
+               "Messages from the left ring neighbour lost on a TCP connection that broke and reconnected "
+               "(each loss fails one round).",
+               [({"rank": net.left.rank, "address": net.left.address}, net.messages_lost)] if net is not None else [])
         family("birdnet_bytes_sent_total", "counter", "Bytes sent to a peer (the right ring neighbour).", sent)
         family("birdnet_bytes_received_total", "counter",
                "Bytes received from a peer (the left ring neighbour).", received)

@@ -176,6 +176,17 @@ class PeerNet:
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
+        #: Every message to the right neighbour carries ``q``, one more than the last (pings too).
+        #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
+        #: breaks (a NAT box, a flapping link, ``ss -K``): then what was in flight on it is gone, and
+        #: the next message from the left neighbour, or its next ping (one heartbeat later), shows a
+        #: jump. Without this, a lost *last* message of a round, or a lost control message, was only
+        #: noticed by the timeouts (a dense-lane round: round_timeout, 600 s by default).
+        self.sent_q = 0
+        self._left_q: int | None = None  #: the last ``q`` from the accepted left neighbour
+        #: why the round that next waits for the left neighbour must fail (take_gap), set on a jump
+        self._gap: str | None = None
+        self.messages_lost = 0  #: messages from the left neighbour lost this way, for status
         #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
         #: that finished a lane round goes on to the next at once. Their messages wait here.
         self.lane_keys: tuple[str, ...] = ()
@@ -320,7 +331,8 @@ class PeerNet:
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False):
         """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
         the returned MessageTracker tells when ZeroMQ no longer needs them."""
-        frames = wire.encode(header, buffers)
+        q = self.sent_q + 1
+        frames = wire.encode({**header, "q": q}, buffers)
         try:
             # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
             # send would stall this thread for good; ZeroMQ queues while a connection exists.
@@ -330,6 +342,7 @@ class PeerNet:
             raise PeerLostError(
                 f"cannot send to right neighbour rank {self.right.rank} ({self.right.address}): not connected"
                 + (f" [{self.refused_by_right}]" if self.refused_by_right else "")) from None
+        self.sent_q = q  # only a message ZeroMQ took counts: the receiver expects no gap otherwise
         self.bytes_sent += nbytes
         return tracker
 
@@ -464,6 +477,8 @@ class PeerNet:
                 self._reply(identity, {"t": "refuse", "reason": str(exc)})
             return None
         self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
+        if identity == self.left_identity:
+            self._check_q(header)
         t = header["t"]
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
@@ -472,6 +487,30 @@ class PeerNet:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
         return identity, header, bufs, frames[1]
+
+    def _check_q(self, header: dict[str, Any]) -> None:
+        """Notice messages from the accepted left neighbour that never arrived (see ``sent_q``)."""
+        q = header.get("q")
+        if not isinstance(q, int) or isinstance(q, bool):
+            return  # a peer that does not number its messages (elastic mode's, or garbage)
+        last, self._left_q = self._left_q, q
+        if last is None or q <= last + 1:
+            return
+        n = q - last - 1
+        self.messages_lost += n
+        self._gap = (f"{n} message(s) from left neighbour rank {self.left.rank} ({self.left.address}) were lost: "
+                     "the TCP connection between the two daemons broke and reconnected while they were in "
+                     "flight; this call failed, the next one runs afresh")
+        log.warning("%s", self._gap)
+
+    def take_gap(self) -> str | None:
+        """Why the caller's round must fail (messages from the left neighbour were lost since the last
+        call), once; None when nothing was lost. The lost messages belong to the round in flight or to
+        one this node has not begun (rounds pass a link in order), so the first round to wait for the
+        left neighbour after a gap takes it: at worst one call fails that could have completed (a lost
+        control message of another round), where without it a round waited for its timeout."""
+        gap, self._gap = self._gap, None
+        return gap
 
     def _recv_router(self) -> dict | None:
         got = self._decode_router()
@@ -588,6 +627,9 @@ class PeerNet:
                 self.neighbour_restarts += 1
                 self.last_restart = f"rank {expected} ({self.left.address}) restarted (incarnation {h.get('inc')})"
             self.left_identity = identity
+            # its numbering starts here: what it sent before this ping is held and released below
+            q = h.get("q")
+            self._left_q = q if isinstance(q, int) and not isinstance(q, bool) else None
             self._release_held(identity, who, {})
         self.left_seen = time.monotonic()
         lost = h.get("lost")
@@ -668,6 +710,11 @@ class RoundTransport:
     def _right(self) -> str:
         return f"right neighbour rank {self.net.right.rank} ({self.net.right.address})"
 
+    def _check_gap(self) -> None:
+        gap = self.net.take_gap()
+        if gap:
+            raise PeerLostError(f"round {self.key}: {gap}")
+
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         if self.lane:
             early = self.net.take_early(self.key)
@@ -692,6 +739,7 @@ class RoundTransport:
             restarted = self.net.restarted_since(self.restarts_at)
             if restarted:
                 raise PeerLostError(f"round {self.key} cannot complete: {restarted} during it")
+            self._check_gap()
             now = time.monotonic()
             if now >= deadline:
                 if self.lane:
@@ -704,6 +752,7 @@ class RoundTransport:
                     f"round {self.key} within {self.net.settings.peer_timeout} s")
             before = self.net.bytes_received
             msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
+            self._check_gap()  # before using a message that came after lost ones
             if msg is None:
                 continue
             h = msg["h"]

@@ -341,12 +341,13 @@ def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
 def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works(tmp_path):
     """A TCP connection between two daemons that both stay up is reset (``ss -K``, as a NAT box or
     a flapping link would) while rounds run: ZeroMQ reconnects at once, the messages that were in
-    flight are lost, and the ring's per-message step/chunk check fails the round on the node that
-    misses them, within a fraction of a second, not after peer_timeout; the abort fails it wherever
-    it has not finished. No result is ever wrong, and the calls after the last reset all work.
-    A lost control message or a round's very last message is noticed only by the timeouts (a lane
-    round waits round_timeout for it, then peer_timeout): round_timeout is 10 s here so that such a
-    call fails within the test instead of after the default 600 s (found in CI)."""
+    flight are lost, and the jump in the numbering of the left neighbour's messages (at its next
+    message, or its next ping when the lost one was a round's last) fails the round on the node that
+    misses them, within a fraction of a second; the abort fails it wherever it has not finished. No
+    result is ever wrong, and the calls after the last reset all work. Before the numbering a lost
+    last message was noticed only by the timeouts (a lane round waited round_timeout, then
+    peer_timeout; found in CI): round_timeout is 10 s here so that a regression fails within the
+    test, and every call must end well before it."""
     import workers
     if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
         pytest.skip("needs iproute2's ss")
@@ -371,6 +372,7 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
             time.sleep(0.3)
         res = w.get(timeout=240)
         assert lost_one(cl), f"{kills} resets and no round lost a message: the test proves nothing"
+        node1_log = cl.log(1)
     failed = set()
     for node, out in enumerate(res):
         assert len(out) == calls
@@ -380,14 +382,13 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
             else:
                 assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
                 failed.add(i)
-            assert took < round_timeout + PEER_TIMEOUT + SLACK, (node, i, what, value, took)
+            # no call waits for a timeout: not round_timeout, not even peer_timeout
+            assert took < PEER_TIMEOUT, (node, i, what, value, took)
     assert failed and max(failed) < calls - 20, failed
-    # most lost messages are noticed at the next one, within a fraction of a second
-    fast = [took for out in res for what, _, took in out if what != "ok" and took < 2.0]
-    assert fast, [o for out in res for o in out if o[0] != "ok"][:5]
-    # the node that missed a message says what that means
+    # the node that missed a message says what that means, and counts what it lost
     messages = [value for out in res for what, value, _ in out if what != "ok"]
     assert any("TCP connection between the two daemons broke" in m for m in messages), messages[:5]
+    assert re.search(r"message\(s\) from left neighbour rank 0 .* were lost", node1_log), node1_log[-3000:]
     assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
 
 

@@ -80,6 +80,9 @@ def test_metrics_endpoint_parsed_by_prometheus(tmp_path):
         recv = value(m, "birdnet_bytes_received", "birdnet_bytes_received_total", rank=peer, address=hosts[peer])
         assert sent >= sum(sizes) * 4 / 2  # dense ring, world 2: half of each tensor each way at least
         assert recv >= sum(sizes) * 4 / 2
+        # every message numbered on the way got there (PeerNet.take_gap): nothing lost
+        assert value(m, "birdnet_peer_messages_lost", "birdnet_peer_messages_lost_total", rank=peer,
+                     address=hosts[peer]) == 0
         # histogram: every successful round observed, buckets cumulative, +Inf = count
         buckets = sorted(((float(dict(k[1])["le"]), v) for k, v in m["birdnet_round_seconds"].items()
                           if k[0] == "birdnet_round_seconds_bucket"))

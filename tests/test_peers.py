@@ -6,11 +6,12 @@ import time
 
 import pytest
 import zmq
-from birdnet.daemon.peers import HELD_MAX_MESSAGES, PeerNet
+from birdnet.daemon.peers import HELD_MAX_MESSAGES, PeerNet, RoundTransport
 from cluster import free_ports
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
+from birdnet.errors import PeerLostError
 from birdnet.hosts import Peer
 
 
@@ -104,3 +105,83 @@ def test_held_messages_are_bounded(ring):
     got = collect(net, 0.5)
     assert [h["i"] for h in got] == list(range(HELD_MAX_MESSAGES))
     assert net._held_bytes == 0
+
+
+def numbered(h: dict, q: int) -> list:
+    return wire.encode({**h, "q": q})
+
+
+def numbered_ping(settings: Settings, inc: str, q: int) -> list:
+    return wire.encode({"t": "ping", "proto": PROTOCOL_VERSION, "cw": settings.cluster_wide(), "world": 2,
+                        "rank": 1, "inc": inc, "lost": [], "q": q})
+
+
+def test_messages_to_the_right_neighbour_are_numbered_pings_too(ring):
+    """PeerNet.send numbers every message it hands to ZeroMQ, one more each time; a raw ROUTER
+    plays the right neighbour."""
+    net, settings, _ = ring
+    right = zmq.Context.instance().socket(zmq.ROUTER)
+    right.setsockopt(zmq.LINGER, 0)
+    try:
+        right.bind(net.right.endpoint())
+        net.send({"t": "data", "k": "j/0"})
+        net._send_ping()
+        net.send({"t": "start", "k": "j/1"})
+        got = []
+        poller = zmq.Poller()
+        poller.register(right, zmq.POLLIN)
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            if poller.poll(100):
+                frames = right.recv_multipart()
+                got.append(wire.decode(frames[1:], max_bytes=1 << 20)[0])
+        assert [(h["t"], h["q"]) for h in got] == [("data", 1), ("ping", 2), ("start", 3)]
+        assert net.sent_q == 3
+    finally:
+        right.close(0)
+
+
+def test_a_jump_in_the_left_neighbours_numbering_fails_the_next_round_once(ring):
+    """Messages lost on a TCP connection that broke and reconnected (a NAT box, ``ss -K``) show as a
+    jump in the numbering, at the next message or the next ping: the round waiting for the left
+    neighbour fails at once with a reason, instead of waiting for its timeout (a dense-lane round:
+    round_timeout, 600 s by default)."""
+    net, settings, left = ring
+    d = left(b"r1-a")
+    d.send_multipart(numbered({"t": "data", "k": "j/0", "i": 0}, 1))  # before its first ping: held
+    d.send_multipart(numbered_ping(settings, "a", 2))
+    d.send_multipart(numbered({"t": "data", "k": "j/0", "i": 1}, 3))
+    assert [h["i"] for h in collect(net, 0.3)] == [0, 1]
+    assert net.take_gap() is None and net.messages_lost == 0  # held ones numbered before the ping: no gap
+    # a round waits; the last message of it (q=4) never comes, the neighbour's next ping shows it
+    rt = RoundTransport(net, "j/1")
+    d.send_multipart(numbered_ping(settings, "a", 5))
+    with pytest.raises(PeerLostError, match=r"round j/1: 1 message\(s\) from left neighbour rank 1 .* were lost: "
+                                            r"the TCP connection between the two daemons broke"):
+        rt.recv(time.monotonic() + 5)
+    assert net.messages_lost == 1
+    assert net.take_gap() is None  # one failed round per gap
+    # a gap while no round runs fails the next round to wait for the left neighbour, at its first message
+    d.send_multipart(numbered({"t": "data", "k": "j/2", "i": 2}, 8))
+    collect(net, 0.3)
+    with pytest.raises(PeerLostError, match=r"2 message\(s\)"):
+        RoundTransport(net, "j/2").recv(time.monotonic() + 5)
+    # in sequence again: the next round gets its data
+    d.send_multipart(numbered({"t": "data", "k": "j/3", "i": 3}, 9))
+    h, _ = RoundTransport(net, "j/3").recv(time.monotonic() + 5)
+    assert h["i"] == 3 and net.messages_lost == 3
+
+
+def test_a_restarted_neighbour_numbers_afresh_and_unnumbered_messages_are_not_checked(ring):
+    net, settings, left = ring
+    old = left(b"r1-old")
+    old.send_multipart(numbered_ping(settings, "old", 40))
+    old.send_multipart(numbered({"t": "data", "k": "j/0"}, 41))
+    assert [h["k"] for h in collect(net, 0.3)] == ["j/0"]
+    new = left(b"r1-new")  # a new incarnation starts again from 1
+    new.send_multipart(numbered_ping(settings, "new", 1))
+    new.send_multipart(numbered({"t": "data", "k": "j/1"}, 2))
+    new.send_multipart(wire.encode({"t": "data", "k": "j/2"}))  # a peer that does not number (elastic mode)
+    new.send_multipart(numbered({"t": "data", "k": "j/3"}, 3))
+    assert [h["k"] for h in collect(net, 0.5)] == ["j/1", "j/2", "j/3"]
+    assert net.take_gap() is None and net.messages_lost == 0
