@@ -33,6 +33,9 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"start/go agreements {st.get('round_agreements', 0)}, in the dense lane {st.get('lane_rounds', 0)} "
           f"(given up {st.get('lane_rounds_given_up', 0)})")
     print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
+    if st.get("messages_lost"):  # on TCP connections that broke and reconnected (docs/reliability.md)
+        print(f"messages lost from the left neighbour: {st['messages_lost']} (a TCP connection broke and "
+              "reconnected; each loss failed one round)")
     ratio = st.get("last_ratio")
     print(f"last compression ratio {ratio:.1f}" if ratio is not None else "last compression ratio -",
           f", codec time {st.get('compress_seconds_total', 0.0):.3f} s", sep="")

@@ -171,12 +171,13 @@ def test_status_command(tmp_path):
         st = json.loads(out.stdout)
         assert st["rank"] == 1 and st["world"] == 2 and st["rounds_done"] >= 1
         assert [p["state"] for p in st["peers"]] == ["connected", "self"]
-        assert st["bytes_sent"] > 0
+        assert st["bytes_sent"] > 0 and st["messages_lost"] == 0
         assert st["last_ratio"] is not None and st["round_seconds_count"] >= 1  # figures also without metrics
         text = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[0]],
                               capture_output=True, text=True, timeout=30)
         assert "rank 0 of 2" in text.stdout
         assert "start/go agreements 1, in the dense lane 1 (given up 0)" in text.stdout  # the 2nd call
+        assert "messages lost" not in text.stdout  # said only when some were
     missing = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", str(tmp_path / "x.sock")],
                              capture_output=True, text=True, timeout=30)
     assert missing.returncode == 1 and "no birdnetd" in missing.stderr

@@ -373,6 +373,9 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
         res = w.get(timeout=240)
         assert lost_one(cl), f"{kills} resets and no round lost a message: the test proves nothing"
         node1_log = cl.log(1)
+        status = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[1]],
+                                capture_output=True, text=True, timeout=30)
+        assert re.search(r"messages lost from the left neighbour: [1-9]", status.stdout), status.stdout + status.stderr
     failed = set()
     for node, out in enumerate(res):
         assert len(out) == calls
