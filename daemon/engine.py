@@ -697,10 +697,12 @@ class RingWorker(threading.Thread):
             if time.monotonic() > deadline:
                 raise RoundTimeoutError(f"round {key} did not start on every node within "
                                         f"round_timeout={self.settings.round_timeout} s")
-            msg = net.poll(0.05)
-            gap = net.take_gap()  # the message waited for may be among the lost ones
+            # The message waited for may be among lost ones. Checked before the poll, so a message
+            # the poll returns (a start of another round, say) is handled before the round fails.
+            gap = net.take_gap()
             if gap:
                 raise PeerLostError(f"round {key} could not start: {gap}")
+            msg = net.poll(0.05)
             if msg is None:
                 continue
             h = msg["h"]

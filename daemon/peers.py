@@ -717,6 +717,7 @@ class RoundTransport:
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         if self.lane:
+            self._check_gap()  # early data may have come after lost messages
             early = self.net.take_early(self.key)
             if early is not None:
                 self.bytes_received += sum(b.nbytes for b in early["b"])
@@ -752,7 +753,6 @@ class RoundTransport:
                     f"round {self.key} within {self.net.settings.peer_timeout} s")
             before = self.net.bytes_received
             msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
-            self._check_gap()  # before using a message that came after lost ones
             if msg is None:
                 continue
             h = msg["h"]
@@ -781,5 +781,8 @@ class RoundTransport:
                 continue
             if h.get("t") != "data" or h.get("k") != self.key or bool(h.get("ln")) != self.lane:
                 continue  # stale: a message of an earlier, failed round (or a lane round given up)
+            # data that came after lost messages is not used; control messages above are handled
+            # first (a start or an abort of another round must not be lost with this one)
+            self._check_gap()
             self.bytes_received += self.net.bytes_received - before
             return h, msg["b"]
