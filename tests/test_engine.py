@@ -7,6 +7,7 @@ from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateSt
 
 from birdnet.codecs import get_codec
 from birdnet.config import Settings
+from birdnet.errors import PeerLostError
 from birdnet.ring.transport import MemoryRing
 
 
@@ -116,3 +117,35 @@ def test_follower_takes_a_queued_round_before_waiting():
     assert net.polls_while_queued == 0
     assert net.sent[0]["t"] == "start" and net.sent[0]["descs"][1][0] == 1
     assert done == [barrier] and barrier.error is None
+
+
+def test_a_gap_in_the_left_neighbours_messages_fails_the_round_being_agreed():
+    """Messages lost on a reset connection (PeerNet.take_gap) may include the ``go`` the follower
+    waits for: it fails the round at once, names the cause and tells the ring, instead of waiting
+    round_timeout."""
+    from birdnet.daemon.engine import RingWorker
+
+    class GapNet(_NetStandIn):
+        gap = "1 message(s) from left neighbour rank 0 (127.0.0.1:1) were lost: the TCP connection broke"
+
+        def take_gap(self):
+            gap, self.gap = self.gap, None
+            return gap
+
+        def poll(self, timeout):
+            return None  # the go was among the lost messages
+
+    key = "j/0"
+    ref = []
+    net = GapNet(ref, None)
+    done = []
+    w = RingWorker(Settings(), 1, 2, net, RoundRunner(Settings(), StateStore(1 << 20)), done.append)
+    ref.append(w)
+    barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
+    w.submit(barrier)
+    w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    assert done == [barrier]
+    assert isinstance(barrier.error, PeerLostError), barrier.error
+    assert f"round {key} could not start: 1 message(s)" in str(barrier.error)
+    assert [h["t"] for h in net.sent] == ["start", "abort"]  # its part of the agreement, then the failure
+    assert net.gap is None  # taken once
