@@ -35,13 +35,13 @@ MAX_HEADER_BYTES = 64 * 1024
 MAX_BUFFERS = 64
 
 
-def encode(header: dict[str, Any], buffers: Sequence[Any] = ()) -> list[Any]:
-    """Frames for ``header`` and ``buffers`` (buffers are passed through, not copied). A buffer
-    that is a frame of the transport (anything with a ``buffer`` view, as a received ZeroMQ frame
-    has) stays itself, so the transport can send it on without copying it."""
+def encode(header: dict[str, Any], buffers: Sequence[Any] = (), **fields: Any) -> list[Any]:
+    """Frames for ``header`` plus ``fields`` and ``buffers`` (buffers are passed through, not
+    copied). A buffer that is a frame of the transport (anything with a ``buffer`` view, as a
+    received ZeroMQ frame has) stays itself, so the transport can send it on without copying it."""
     views = [b if hasattr(b, "buffer") and not isinstance(b, memoryview) else memoryview(b).cast("B")
              for b in buffers]
-    h = dict(header)
+    h = {**header, **fields}
     h["nbuf"] = len(views)
     h["sizes"] = [v.nbytes if isinstance(v, memoryview) else len(v) for v in views]  # a frame's len: bytes
     return [PROTOCOL_ID, _packer().pack(h), *views]

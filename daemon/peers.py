@@ -332,7 +332,7 @@ class PeerNet:
         """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
         the returned MessageTracker tells when ZeroMQ no longer needs them."""
         q = self.sent_q + 1
-        frames = wire.encode({**header, "q": q}, buffers)
+        frames = wire.encode(header, buffers, q=q)
         try:
             # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
             # send would stall this thread for good; ZeroMQ queues while a connection exists.

@@ -101,19 +101,27 @@ class _NetStandIn:
         return {"h": self.go} if self.sent else None
 
 
-def test_follower_takes_a_queued_round_before_waiting():
+def _follow_barrier(net_class, go, key):
+    """Rank 1 of 2 with a barrier queued follows the leader's start of ``key`` over a stand-in net;
+    returns (net, finished rounds, the barrier)."""
     from birdnet.daemon.engine import RingWorker
 
-    key = "j/0"
-    go = {"t": "go", "k": key, "ok": True, "err": None, "errc": None, "counts": [1, 1], "more": []}
     ref = []
-    net = _NetStandIn(ref, go)
+    net = net_class(ref, go)
     done = []
     w = RingWorker(Settings(), 1, 2, net, RoundRunner(Settings(), StateStore(1 << 20)), done.append)
     ref.append(w)
     barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
-    w.submit(barrier)  # queued by the service thread; its wake-up was already consumed
+    w.submit(barrier)
     w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    return net, done, barrier
+
+
+def test_follower_takes_a_queued_round_before_waiting():
+    key = "j/0"
+    go = {"t": "go", "k": key, "ok": True, "err": None, "errc": None, "counts": [1, 1], "more": []}
+    # the barrier is queued by the service thread; its wake-up was already consumed
+    net, done, barrier = _follow_barrier(_NetStandIn, go, key)
     assert net.polls_while_queued == 0
     assert net.sent[0]["t"] == "start" and net.sent[0]["descs"][1][0] == 1
     assert done == [barrier] and barrier.error is None
@@ -123,8 +131,6 @@ def test_a_gap_in_the_left_neighbours_messages_fails_the_round_being_agreed():
     """Messages lost on a reset connection (PeerNet.take_gap) may include the ``go`` the follower
     waits for: it fails the round at once, names the cause and tells the ring, instead of waiting
     round_timeout."""
-    from birdnet.daemon.engine import RingWorker
-
     class GapNet(_NetStandIn):
         gap = "1 message(s) from left neighbour rank 0 (127.0.0.1:1) were lost: the TCP connection broke"
 
@@ -136,14 +142,7 @@ def test_a_gap_in_the_left_neighbours_messages_fails_the_round_being_agreed():
             return None  # the go was among the lost messages
 
     key = "j/0"
-    ref = []
-    net = GapNet(ref, None)
-    done = []
-    w = RingWorker(Settings(), 1, 2, net, RoundRunner(Settings(), StateStore(1 << 20)), done.append)
-    ref.append(w)
-    barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
-    w.submit(barrier)
-    w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    net, done, barrier = _follow_barrier(GapNet, None, key)
     assert done == [barrier]
     assert isinstance(barrier.error, PeerLostError), barrier.error
     assert f"round {key} could not start: 1 message(s)" in str(barrier.error)
