@@ -47,6 +47,7 @@ from birdnet.errors import (
     StateLimitError,
     from_wire,
 )
+from birdnet.osutil import name_os_thread
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing
@@ -581,6 +582,7 @@ class RingWorker(threading.Thread):
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
+        name_os_thread(self.name)
         try:
             if self.world == 1:
                 self._run_alone()

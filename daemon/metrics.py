@@ -41,6 +41,7 @@ from typing import Any
 
 from birdnet import __version__
 from birdnet.errors import ConfigError
+from birdnet.osutil import name_os_thread
 
 log = logging.getLogger("birdnet.metrics")
 
@@ -159,8 +160,11 @@ class MetricsServer:
         server.daemon_threads = True
         self._server = server
         self.port = server.server_address[1]
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.25},
-                                        name="birdnet-metrics", daemon=True)
+        def serve() -> None:
+            name_os_thread("birdnet-metrics")
+            server.serve_forever(poll_interval=0.25)
+
+        self._thread = threading.Thread(target=serve, name="birdnet-metrics", daemon=True)
         self._thread.start()
         log.info("metrics at http://%s:%d/metrics", self.host, self.port)
 

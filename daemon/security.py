@@ -38,6 +38,7 @@ import zmq
 import zmq.utils.z85
 
 from birdnet.errors import ConfigError
+from birdnet.osutil import name_os_thread
 
 log = logging.getLogger("birdnet.security")
 
@@ -169,6 +170,7 @@ class Curve:
 
     # -- the ZAP handler ----------------------------------------------------------------------------
     def _serve(self) -> None:
+        name_os_thread("birdnet-zap")
         try:
             sock = self.ctx.socket(zmq.REP)
             sock.setsockopt(zmq.LINGER, 0)

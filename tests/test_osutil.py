@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +70,53 @@ def test_the_daemon_logs_its_malloc_policy(tmp_path):
     tuned_here = any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
     expected = "malloc keeps freed buffers" if platform.libc_ver()[0] == "glibc" and not tuned_here else "malloc left alone"
     assert expected in log, log[-2000:]
+
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names through prctl are Linux's")
+
+
+def _thread_names(pid: int | str = "self") -> list[str]:
+    base = f"/proc/{pid}/task"
+    names = []
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+@linux_only
+def test_a_thread_is_named_where_top_and_ps_look():
+    import threading
+
+    from birdnet.osutil import name_os_thread
+
+    result = {}
+
+    def body():
+        result["set"] = name_os_thread("birdnet-a-very-long-name")
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            result["comm"] = f.read().strip()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert result == {"set": True, "comm": "birdnet-a-very-"}  # the kernel keeps 15 bytes
+    assert "birdnet-a-very-" not in _thread_names()  # only that thread was named, and it is gone
+
+
+@linux_only
+def test_the_daemons_threads_carry_their_names(tmp_path):
+    from birdnet.bench.cluster import LocalCluster, free_ports
+
+    port = free_ports(1)[0]
+    with LocalCluster(1, tmp_path, extra=["--metrics-port", str(port)]) as cl:
+        names = []
+        deadline = time.monotonic() + 10  # the threads start while the daemon comes up
+        while time.monotonic() < deadline and not {"birdnet-ring", "birdnet-metrics"} <= set(names):
+            names = _thread_names(cl.procs[0].pid)
+            time.sleep(0.05)
+    assert {"birdnet-ring", "birdnet-metrics"} <= set(names), names
+    assert any(n.startswith("ZMQbg/IO") for n in names), names  # ZeroMQ names its own

@@ -5,7 +5,7 @@
 Starts NODES daemons, each in its own network namespace with a token-bucket link (root), one
 process per node, and times CALLS back-to-back dense all-reduces of 1,000,000 float32 in shared
 memory after 5 warm-up calls. Around the timed calls it reads every daemon thread's CPU time and
-minor page faults from /proc (main thread, the ring thread, ZeroMQ's I/O thread) and the machine's
+minor page faults from /proc (main thread, the ring thread, ZeroMQ's I/O thread, others) and the machine's
 CPU time from /proc/stat, and prints them per call in ms (faults per call), summed over the
 daemons. To compare with glibc's malloc defaults, run it once with
 GLIBC_TUNABLES=glibc.malloc.perturb=0 in the environment (any malloc tunable makes birdnetd leave
@@ -46,9 +46,13 @@ def snapshot() -> dict:
                 continue
             name = st[st.index("(") + 1:st.rindex(")")]
             f = st[st.rindex(")") + 2:].split()
-            # the main thread is the process; Python's other threads keep the interpreter's name
+            # the main thread is the process. birdnetd names its ring thread (birdnet.osutil.name_os_thread);
+            # before it did, every Python thread had the interpreter's name and counted as "ring" here
+            # (the JSONs of 2026-12-01 made before that change); now other Python threads (pyzmq's
+            # garbage collector, the metrics server) count as "other".
             kind = "main" if tid == pid else ("zmq_io" if name.startswith("ZMQbg/IO") else
-                                              "zmq_reaper" if name.startswith("ZMQbg") else "ring")
+                                              "zmq_reaper" if name.startswith("ZMQbg") else
+                                              "ring" if name == "birdnet-ring" else "other")
             out[(pid, tid, kind)] = (int(f[11]), int(f[12]), int(f[7]))
     return out
 
