@@ -34,8 +34,12 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"(given up {st.get('lane_rounds_given_up', 0)})")
     print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
     if st.get("messages_lost"):  # on TCP connections that broke and reconnected (docs/reliability.md)
-        print(f"messages lost from the left neighbour: {st['messages_lost']} (a TCP connection broke and "
-              "reconnected; each loss failed one round)")
+        if "elastic" in st:
+            print(f"messages lost from peers: {st['messages_lost']} (a TCP connection broke and reconnected; "
+                  "each loss failed one round or started an agreement again)")
+        else:
+            print(f"messages lost from the left neighbour: {st['messages_lost']} (a TCP connection broke and "
+                  "reconnected; each loss failed one round)")
     ratio = st.get("last_ratio")
     print(f"last compression ratio {ratio:.1f}" if ratio is not None else "last compression ratio -",
           f", codec time {st.get('compress_seconds_total', 0.0):.3f} s", sep="")

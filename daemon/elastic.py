@@ -22,6 +22,10 @@ Without it (the default), a lost node stops every round of the cluster until it 
   incarnation) or was dropped is a *joiner*: at its first ``start`` it aligns its processes' call
   numbering with the cluster's (its lowest waiting round of the job becomes the round the leader
   started), so a returning node's processes may keep their numbering or start from zero.
+* **Lost messages.** Each connection numbers its messages (``q``, as on the fixed ring): a TCP
+  connection that broke and reconnected shows as a jump from that sender. The data phase fails on a
+  jump from its left member; an agreement waiting for the member before it starts again; a node
+  waiting for a ``start`` asks the leader to start again (the start may be among the lost).
 * **Codec state** (error feedback, compensation) is dropped on every member when the epoch changes,
   so all members start the epoch from the same state and stay bit-identical; a returning node does
   not keep the residual it had before it left.
@@ -40,6 +44,8 @@ from birdnet.daemon.peers import (
     RoundAborted,
     RoundTransport,
     frames_nbytes,
+    lost_between,
+    lost_text,
     reconnect_ivl_max,
     send_frames,
 )
@@ -102,6 +108,14 @@ class ElasticPeerNet(PeerNet):
         self.want = False
         self.members: list[int] = list(range(self.world))
         self.refused: dict[int, str] = {}
+        #: Every message is numbered per destination, as on the fixed ring (PeerNet.sent_q): the
+        #: connection from each node is checked on its own, and a jump is kept per sending rank until
+        #: a wait for that rank takes it (take_gap_from). Without it a lost ``start`` left the leader
+        #: waiting round_timeout for it to come back round the ring.
+        self.sent_q_to: dict[int, int] = {}
+        self._q_from: dict[int, int | None] = {}
+        self._gaps: dict[int, str] = {}
+        self.lost_from: dict[int, int] = {}  #: messages lost per sending rank, for metrics
 
     def close(self) -> None:
         for d in self.dealers.values():
@@ -181,15 +195,36 @@ class ElasticPeerNet(PeerNet):
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False, to: int | None = None):
         """Queue a message for rank ``to`` (default: the hosts-file right neighbour)."""
         to = self.right.rank if to is None else to
-        frames = wire.encode(header, buffers)
+        q = self.sent_q_to.get(to, 0) + 1
+        frames = wire.encode(header, buffers, q=q)
         try:
             nbytes = frames_nbytes(frames)
             tracker = send_frames(self.dealers[to], frames, track, nbytes)
         except zmq.Again:
             raise PeerLostError(f"cannot send to rank {to} ({self.peers[to].address}): not connected"
                                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
+        self.sent_q_to[to] = q  # only what ZeroMQ took counts (PeerNet.send)
         self.bytes_sent += nbytes
         return tracker
+
+    def _check_numbering(self, identity: bytes, header: dict[str, Any]) -> None:
+        r = self.identities.get(identity)
+        if r is None:
+            return  # not accepted yet: its first ping starts its numbering (_handle_ping)
+        n, self._q_from[r] = lost_between(self._q_from.get(r), header)
+        if n:
+            self.messages_lost += n
+            self.lost_from[r] = self.lost_from.get(r, 0) + n
+            self._gaps[r] = lost_text(n, f"rank {r} ({self.peers[r].address})")
+            log.warning("%s", self._gaps[r])
+
+    def messages_lost_by_peer(self) -> list[tuple[Any, int]]:
+        return [(p, self.lost_from.get(p.rank, 0)) for p in self.peers if p.rank != self.rank]
+
+    def take_gap_from(self, r: int) -> str | None:
+        """Why a wait for rank ``r`` must give up (messages from it were lost since the last wait for
+        it), once; else None."""
+        return self._gaps.pop(r, None)
 
     def _send_ping(self) -> None:
         h = {"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
@@ -289,6 +324,9 @@ class ElasticPeerNet(PeerNet):
             log.info("rank %d (%s) connected (incarnation %s)", r, self.peers[r].address, h.get("inc"))
             self.identity_of[r] = identity
             self.identities[identity] = r
+            # its numbering starts at this ping (what it sent before is held and released below)
+            self._q_from[r] = lost_between(None, h)[1]
+            self._gaps.pop(r, None)
             self._release_held(identity, who, {"from": r})
         self.seen[r] = time.monotonic()
         self._note_info(r, h)
@@ -330,6 +368,7 @@ class ElasticTransport(RoundTransport):
             why = net.gone(self.members, self.restarts_at, now)
             if why:
                 raise PeerLostError(f"{why} during round {self.key}")
+            self._check_gap_from_left()
             if now >= deadline:
                 raise PeerLostError(f"no data from rank {self.left_rank} ({net.peers[self.left_rank].address}) for "
                                     f"round {self.key} within {net.settings.peer_timeout} s")
@@ -349,8 +388,14 @@ class ElasticTransport(RoundTransport):
                 raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
             if h.get("t") != "data" or h.get("k") != self.key:
                 continue
+            self._check_gap_from_left()  # data that came after lost messages is not used
             self.bytes_received += net.bytes_received - before
             return h, msg["b"]
+
+    def _check_gap_from_left(self) -> None:
+        gap = self.net.take_gap_from(self.left_rank)
+        if gap:
+            raise PeerLostError(f"round {self.key}: {gap}; this call failed, the next one runs afresh")
 
 
 def _ranks(x: Any, world: int) -> list[int] | None:
@@ -495,6 +540,8 @@ class ElasticRingWorker(RingWorker):
             self.pending_start = None
             if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("L") != self.rank:
                 self._follow_guarded(self._follow_elastic, msg, msg["h"].get("k"))
+            elif leader is not None and leader != self.rank and self.order:
+                self._restart_if_start_lost(leader)
 
     def _wait_elastic(self, want: str, key: str, deadline: float, ring: list[int], prev: int, since: int) -> dict:
         net = self.net
@@ -508,6 +555,7 @@ class ElasticRingWorker(RingWorker):
             if time.monotonic() > deadline:
                 raise RoundTimeoutError(f"round {key} did not start on every node within "
                                         f"round_timeout={self.settings.round_timeout} s")
+            self._check_gap_from(prev, key)
             msg = net.poll(0.05)
             if msg is None or msg.get("from") not in ring:
                 continue
@@ -519,10 +567,37 @@ class ElasticRingWorker(RingWorker):
             if msg["from"] != prev:
                 continue
             if h.get("t") == want and h.get("k") == key:
+                self._check_gap_from(prev, key)  # what was lost may have been this round's
                 return h
             if h.get("t") == "start" and want == "go" and h.get("L") != self.rank:
                 self.pending_start = msg  # the leader started again (this round or a newer one)
                 raise _Retry(f"round {key} was started again by the leader")
+
+    def _restart_if_start_lost(self, leader: int) -> None:
+        """This node waits for a ``start`` and messages from its left member were lost: the start may
+        have been among them, and the leader would wait round_timeout for it to come back round.
+        Ask the leader to start the round again instead (an abort with ``retry``: no call fails; if
+        nothing of the round was lost, it costs one more agreement)."""
+        if self.rank not in self.members or len(self.members) < 2:
+            return
+        prev = self.members[self.members.index(self.rank) - 1]
+        gap = self.net.take_gap_from(prev)
+        if not gap:
+            return
+        key = self.order[0]
+        log.warning("round %s: %s; asking the leader rank %d to start it again", key, gap, leader)
+        try:
+            self.net.send({"t": "abort", "k": key, "reason": f"rank {self.rank}: {gap}", "retry": True}, to=leader)
+        except PeerLostError:
+            pass  # the leader is not reachable: its loss is handled as such
+
+    def _check_gap_from(self, prev: int, key: str) -> None:
+        """Messages from ``prev`` were lost (a TCP connection reset): the agreement cannot be trusted
+        to come round. A PeerLostError here makes it start again (the callers' retry), it does not
+        fail the round."""
+        gap = self.net.take_gap_from(prev)
+        if gap:
+            raise PeerLostError(f"round {key}: {gap}")
 
     def _lead(self, rnd: LocalRound, heard: set[int]) -> None:  # type: ignore[override]
         ring, ep, joiners, incs = self._proposal(heard)

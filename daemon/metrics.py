@@ -213,9 +213,11 @@ class MetricsServer:
             sent.append(({"rank": net.right.rank, "address": net.right.address}, net.bytes_sent))
             received.append(({"rank": net.left.rank, "address": net.left.address}, net.bytes_received))
         family("birdnet_peer_messages_lost_total", "counter",
-               "Messages from the left ring neighbour lost on a TCP connection that broke and reconnected "
-               "(each loss fails one round).",
-               [({"rank": net.left.rank, "address": net.left.address}, net.messages_lost)] if net is not None else [])
+               "Messages from a peer (the left ring neighbour; in elastic mode every node) lost on a TCP "
+               "connection that broke and reconnected (each loss fails one round or, in an elastic "
+               "agreement, starts it again).",
+               [({"rank": p.rank, "address": p.address}, n) for p, n in net.messages_lost_by_peer()]
+               if net is not None else [])
         family("birdnet_bytes_sent_total", "counter", "Bytes sent to a peer (the right ring neighbour).", sent)
         family("birdnet_bytes_received_total", "counter",
                "Bytes received from a peer (the left ring neighbour).", received)

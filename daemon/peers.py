@@ -106,6 +106,21 @@ def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
     return parts
 
 
+def lost_between(last: int | None, header: dict[str, Any]) -> tuple[int, int | None]:
+    """How many numbered messages of one connection went missing before ``header`` (its ``q``), when
+    the one before had number ``last``; and the number to remember. A message without a number
+    (garbage, or a peer that does not number) changes nothing."""
+    q = header.get("q")
+    if not isinstance(q, int) or isinstance(q, bool):
+        return 0, last
+    return (q - last - 1 if last is not None and q > last + 1 else 0), q
+
+
+def lost_text(n: int, sender: str) -> str:
+    return (f"{n} message(s) from {sender} were lost: the TCP connection between the two daemons broke and "
+            "reconnected while they were in flight")
+
+
 class RoundAborted(PeerLostError):
     """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
     fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
@@ -477,8 +492,7 @@ class PeerNet:
                 self._reply(identity, {"t": "refuse", "reason": str(exc)})
             return None
         self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
-        if identity == self.left_identity:
-            self._check_q(header)
+        self._check_numbering(identity, header)
         t = header["t"]
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
@@ -488,20 +502,20 @@ class PeerNet:
             return None
         return identity, header, bufs, frames[1]
 
-    def _check_q(self, header: dict[str, Any]) -> None:
+    def _check_numbering(self, identity: bytes, header: dict[str, Any]) -> None:
         """Notice messages from the accepted left neighbour that never arrived (see ``sent_q``)."""
-        q = header.get("q")
-        if not isinstance(q, int) or isinstance(q, bool):
-            return  # a peer that does not number its messages (elastic mode's, or garbage)
-        last, self._left_q = self._left_q, q
-        if last is None or q <= last + 1:
+        if identity != self.left_identity:
             return
-        n = q - last - 1
-        self.messages_lost += n
-        self._gap = (f"{n} message(s) from left neighbour rank {self.left.rank} ({self.left.address}) were lost: "
-                     "the TCP connection between the two daemons broke and reconnected while they were in "
-                     "flight; this call failed, the next one runs afresh")
-        log.warning("%s", self._gap)
+        n, self._left_q = lost_between(self._left_q, header)
+        if n:
+            self.messages_lost += n
+            self._gap = (lost_text(n, f"left neighbour rank {self.left.rank} ({self.left.address})")
+                         + "; this call failed, the next one runs afresh")
+            log.warning("%s", self._gap)
+
+    def messages_lost_by_peer(self) -> list[tuple[Peer, int]]:
+        """Messages lost per sending peer, for metrics: on the fixed ring only the left neighbour sends."""
+        return [(self.left, self.messages_lost)]
 
     def take_gap(self) -> str | None:
         """Why the caller's round must fail (messages from the left neighbour were lost since the last

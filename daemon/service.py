@@ -626,7 +626,7 @@ class Daemon:
             **self.figures.snapshot(),
             "bytes_sent": self.net.bytes_sent if self.net else 0,
             "bytes_received": self.net.bytes_received if self.net else 0,
-            # from the left neighbour, on TCP connections that broke (PeerNet.take_gap)
+            # from the left neighbour (elastic mode: any peer), on TCP connections that broke (PeerNet.take_gap)
             "messages_lost": self.net.messages_lost if self.net else 0,
             "state_bytes": self.states.total_bytes(),
             "uptime_seconds": time.time() - self.started,

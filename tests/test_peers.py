@@ -181,7 +181,129 @@ def test_a_restarted_neighbour_numbers_afresh_and_unnumbered_messages_are_not_ch
     new = left(b"r1-new")  # a new incarnation starts again from 1
     new.send_multipart(numbered_ping(settings, "new", 1))
     new.send_multipart(numbered({"t": "data", "k": "j/1"}, 2))
-    new.send_multipart(wire.encode({"t": "data", "k": "j/2"}))  # a peer that does not number (elastic mode)
+    new.send_multipart(wire.encode({"t": "data", "k": "j/2"}))  # a message without a number: not checked
     new.send_multipart(numbered({"t": "data", "k": "j/3"}, 3))
     assert [h["k"] for h in collect(net, 0.5)] == ["j/1", "j/2", "j/3"]
     assert net.take_gap() is None and net.messages_lost == 0
+
+
+# -- elastic mode: every node has a DEALER to every other, each connection numbered on its own ------
+
+@pytest.fixture
+def elastic():
+    """Rank 0 of a 3-node elastic ring as a real ElasticPeerNet; ``peer(r, identity)`` makes a DEALER
+    posing as rank r, ``listen(r)`` a ROUTER on rank r's address (what rank 0 sends to r)."""
+    from birdnet.daemon.elastic import ElasticPeerNet
+    ctx = zmq.Context()
+    settings = Settings(peer_timeout=2.0, heartbeat_interval=0.1, elastic=True)
+    peers = [Peer(r, "127.0.0.1", p) for r, p in enumerate(free_ports(3))]
+    net = ElasticPeerNet(ctx, settings, peers, 0)
+    socks = []
+
+    def peer(r: int, identity: bytes) -> zmq.Socket:
+        d = ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.setsockopt(zmq.IDENTITY, identity)
+        d.connect(peers[0].endpoint())
+        socks.append(d)
+        return d
+
+    def listen(r: int) -> zmq.Socket:
+        s = ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(peers[r].endpoint())
+        socks.append(s)
+        return s
+
+    yield net, settings, peer, listen
+    for s in socks:
+        s.close(0)
+    net.close()
+    ctx.term()
+
+
+def elastic_ping(settings: Settings, r: int, q: int) -> list:
+    return wire.encode({"t": "ping", "proto": PROTOCOL_VERSION, "cw": settings.cluster_wide(), "world": 3,
+                        "rank": r, "inc": f"i{r}", "lost": [], "ep": 0, "want": False, "q": q})
+
+
+def received(sock: zmq.Socket, n: int, t: str | None = None) -> list:
+    """Headers of the next ``n`` messages on a ROUTER (of type ``t`` only, if given), up to 5 s."""
+    got, deadline = [], time.monotonic() + 5
+    while len(got) < n and time.monotonic() < deadline:
+        if sock.poll(100):
+            h = wire.decode(sock.recv_multipart()[1:], max_bytes=1 << 20)[0]
+            if t is None or h["t"] == t:
+                got.append(h)
+    return got
+
+
+def test_elastic_messages_are_numbered_per_destination(elastic):
+    net, settings, _, listen = elastic
+    to1, to2 = listen(1), listen(2)
+    net.send({"t": "data", "k": "j/0"}, to=1)
+    net.send({"t": "start", "k": "j/1"}, to=2)
+    net._send_ping()  # one to every node
+    net.send({"t": "go", "k": "j/1"}, to=1)
+    assert [(h["t"], h["q"]) for h in received(to1, 3)] == [("data", 1), ("ping", 2), ("go", 3)]
+    assert [(h["t"], h["q"]) for h in received(to2, 2)] == [("start", 1), ("ping", 2)]
+    assert net.sent_q_to == {1: 3, 2: 2}
+
+
+def test_elastic_a_jump_fails_the_round_waiting_for_that_rank_only(elastic):
+    """A TCP reset between two live daemons loses what was in flight on that one connection: the
+    round waiting for data from that rank fails at once; a gap on another rank's connection is not
+    this round's."""
+    from birdnet.daemon.elastic import ElasticTransport
+    net, settings, peer, _ = elastic
+    left, other = peer(2, b"r2-a"), peer(1, b"r1-a")  # rank 0's left member is rank 2
+    left.send_multipart(elastic_ping(settings, 2, 1))
+    other.send_multipart(elastic_ping(settings, 1, 1))
+    other.send_multipart(elastic_ping(settings, 1, 4))  # two messages from rank 1 lost
+    left.send_multipart(numbered({"t": "data", "k": "j/0", "i": 0}, 2))
+    h, _ = ElasticTransport(net, "j/0", [0, 1, 2]).recv(time.monotonic() + 5)
+    assert h["i"] == 0
+    assert net.messages_lost == 2 and "2 message(s) from rank 1" in net.take_gap_from(1)
+    # one message from the left member lost: its next data does not complete the round
+    left.send_multipart(numbered({"t": "data", "k": "j/1", "i": 1}, 4))
+    with pytest.raises(PeerLostError, match=r"round j/1: 1 message\(s\) from rank 2 .* were lost: the TCP "
+                                            r"connection between the two daemons broke"):
+        ElasticTransport(net, "j/1", [0, 1, 2]).recv(time.monotonic() + 5)
+    assert net.take_gap_from(2) is None  # one failed round per gap
+    left.send_multipart(numbered({"t": "data", "k": "j/2", "i": 2}, 5))
+    h, _ = ElasticTransport(net, "j/2", [0, 1, 2]).recv(time.monotonic() + 5)
+    assert h["i"] == 2 and net.messages_lost == 3
+    assert [(p.rank, n) for p, n in net.messages_lost_by_peer()] == [(1, 2), (2, 1)]  # metrics, per sender
+    # a restarted rank 2 (new connection) numbers afresh from its first ping
+    new = peer(2, b"r2-b")
+    new.send_multipart(elastic_ping(settings, 2, 1))
+    new.send_multipart(numbered({"t": "data", "k": "j/3", "i": 3}, 2))
+    h, _ = ElasticTransport(net, "j/3", [0, 1, 2], restarts_at=net.neighbour_restarts + 1).recv(time.monotonic() + 5)
+    assert h["i"] == 3 and net.messages_lost == 3
+
+
+def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
+    """The agreement's messages travel the ring: a gap from the member before this node means a
+    ``start`` or ``go`` may be gone. A node waiting in the agreement gives it up to be started again
+    (no call fails); a node still waiting for a start asks the leader to start again, instead of the
+    leader waiting round_timeout for its start to come back round."""
+    from birdnet.daemon.elastic import ElasticRingWorker
+    from birdnet.daemon.engine import RoundRunner, StateStore
+    net, settings, peer, listen = elastic
+    to1 = listen(1)
+    w = ElasticRingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)), lambda rnd: None)
+    left = peer(2, b"r2-a")
+    left.send_multipart(elastic_ping(settings, 2, 1))
+    left.send_multipart(elastic_ping(settings, 2, 3))
+    t = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"round j/5: 1 message\(s\) from rank 2"):
+        w._wait_elastic("go", "j/5", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
+    assert time.monotonic() - t < 5
+    # waiting for a start (a round of its own is ready): the leader, rank 1, is asked to start again
+    w.order = ["j/6"]
+    left.send_multipart(elastic_ping(settings, 2, 5))
+    collect(net, 0.3)
+    w._restart_if_start_lost(leader=1)
+    got = received(to1, 1, "abort")
+    assert got and got[0]["k"] == "j/6" and got[0]["retry"] is True and "from rank 2" in got[0]["reason"], got
+    assert net.take_gap_from(2) is None
