@@ -337,6 +337,48 @@ def test_sigterm_during_a_round_aborts_cleanly(tmp_path, drivers):
         assert segments(cl.sockets[1]) == []
 
 
+def _reset_connections_until(cl, port: int, done, job) -> int:
+    """Reset (``ss -K``) the TCP connections to ``port`` every 0.3 s while ``job`` (a run_async of
+    workers.steady_calls) runs, until ``done(cl)`` or 30 resets; skips the test where ss cannot kill
+    sockets. Returns the number of resets that hit an established connection."""
+    kills = tries = 0
+    while kills < 30 and tries < 100 and not done(cl):
+        tries += 1
+        r = subprocess.run(["ss", "-K", "dport", "=", str(port)], capture_output=True, text=True)
+        if r.returncode != 0 or (kills == 0 and tries > 20):
+            job.terminate()
+            pytest.skip(f"cannot reset TCP connections here (ss -K: {r.stderr.strip()[:200] or 'nothing killed'})")
+        kills += "ESTAB" in r.stdout  # none while ZeroMQ is reconnecting: try again
+        time.sleep(0.3)
+    return kills
+
+
+def _check_steady_calls(res: list, calls: int) -> set[int]:
+    """Every node made every call; each is right (3.0 on 3 nodes) or failed as a lost message fails a
+    round, and none waited for a timeout (not round_timeout, not even peer_timeout). Returns the
+    failed call numbers; the calls after the last of them all worked."""
+    failed = set()
+    for node, out in enumerate(res):
+        assert len(out) == calls
+        for i, (what, value, took) in enumerate(out):
+            if what == "ok":
+                assert value == 3.0, (node, i, value)
+            else:
+                assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
+                failed.add(i)
+            assert took < PEER_TIMEOUT, (node, i, what, value, took)
+    if failed:
+        assert max(failed) < calls - 20, failed
+        assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
+    return failed
+
+
+def _status_text(sock: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", sock], capture_output=True,
+                       text=True, timeout=30)
+    return r.stdout + r.stderr
+
+
 @pytest.mark.timeout(300)
 def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works(tmp_path):
     """A TCP connection between two daemons that both stay up is reset (``ss -K``, as a NAT box or
@@ -356,43 +398,21 @@ def test_tcp_connection_reset_mid_round_fails_that_round_fast_and_the_next_works
     def lost_one(cl) -> bool:
         return any(re.search(r"round default/\d+ failed", cl.log(i)) for i in range(3))
 
-    round_timeout = 10.0
-    with LocalCluster(3, tmp_path, extra=["--round-timeout", str(round_timeout)]) as cl:
+    with LocalCluster(3, tmp_path, extra=["--round-timeout", "10"]) as cl:
         port1 = load_hosts(cl.hosts)[1].port  # node 1's peer port: only node 0 connects to it
         w = cl.run_async(workers.steady_calls, calls, 4_000_000)
         time.sleep(2.0)
-        kills = tries = 0
-        while kills < 30 and tries < 100 and not lost_one(cl):
-            tries += 1
-            r = subprocess.run(["ss", "-K", "dport", "=", str(port1)], capture_output=True, text=True)
-            if r.returncode != 0 or (kills == 0 and tries > 20):
-                w.terminate()
-                pytest.skip(f"cannot reset TCP connections here (ss -K: {r.stderr.strip()[:200] or 'nothing killed'})")
-            kills += "ESTAB" in r.stdout  # none while ZeroMQ is reconnecting: try again
-            time.sleep(0.3)
+        kills = _reset_connections_until(cl, port1, lost_one, w)
         res = w.get(timeout=240)
         assert lost_one(cl), f"{kills} resets and no round lost a message: the test proves nothing"
         node1_log = cl.log(1)
-        status = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", cl.sockets[1]],
-                                capture_output=True, text=True, timeout=30)
-        assert re.search(r"messages lost from the left neighbour: [1-9]", status.stdout), status.stdout + status.stderr
-    failed = set()
-    for node, out in enumerate(res):
-        assert len(out) == calls
-        for i, (what, value, took) in enumerate(out):
-            if what == "ok":
-                assert value == 3.0, (node, i, value)
-            else:
-                assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
-                failed.add(i)
-            # no call waits for a timeout: not round_timeout, not even peer_timeout
-            assert took < PEER_TIMEOUT, (node, i, what, value, took)
-    assert failed and max(failed) < calls - 20, failed
+        status = _status_text(cl.sockets[1])
+        assert re.search(r"messages lost from the left neighbour: [1-9]", status), status
+    assert _check_steady_calls(res, calls)
     # the node that missed a message says what that means, and counts what it lost
     messages = [value for out in res for what, value, _ in out if what != "ok"]
     assert any("TCP connection between the two daemons broke" in m for m in messages), messages[:5]
     assert re.search(r"message\(s\) from left neighbour rank 0 .* were lost", node1_log), node1_log[-3000:]
-    assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
 
 
 @pytest.mark.timeout(300)
@@ -417,33 +437,12 @@ def test_elastic_tcp_connection_reset_costs_at_most_the_round_in_flight(tmp_path
         port1 = load_hosts(cl.hosts)[1].port  # nodes 0 and 2 connect to it
         w = cl.run_async(workers.steady_calls, calls, 4_000_000)
         time.sleep(2.0)
-        kills = tries = 0
-        while kills < 30 and tries < 100 and not noticed(cl):
-            tries += 1
-            r = subprocess.run(["ss", "-K", "dport", "=", str(port1)], capture_output=True, text=True)
-            if r.returncode != 0 or (kills == 0 and tries > 20):
-                w.terminate()
-                pytest.skip(f"cannot reset TCP connections here (ss -K: {r.stderr.strip()[:200] or 'nothing killed'})")
-            kills += "ESTAB" in r.stdout
-            time.sleep(0.3)
+        kills = _reset_connections_until(cl, port1, noticed, w)
         res = w.get(timeout=240)
         assert noticed(cl), f"{kills} resets and no lost message noticed: the test proves nothing"
-        statuses = [subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", sock],
-                                   capture_output=True, text=True, timeout=30).stdout for sock in cl.sockets]
+        statuses = [_status_text(sock) for sock in cl.sockets]
         assert any(re.search(r"messages lost from peers: [1-9]", st) for st in statuses), statuses
-    failed = set()
-    for node, out in enumerate(res):
-        assert len(out) == calls
-        for i, (what, value, took) in enumerate(out):
-            if what == "ok":
-                assert value == 3.0, (node, i, value)
-            else:
-                assert what in ("ProtocolError", "PeerLostError", "RoundAborted"), (node, i, what, value)
-                failed.add(i)
-            assert took < PEER_TIMEOUT, (node, i, what, value, took)
-    if failed:  # only a lost data message fails a call; the calls after the resets all work
-        assert max(failed) < calls - 20, failed
-        assert all(out[i][0] == "ok" for out in res for i in range(max(failed) + 1, calls))
+    _check_steady_calls(res, calls)  # only a lost data message fails a call: maybe none did
 
 
 ok_ns, why_ns = netns.available()
