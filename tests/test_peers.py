@@ -200,7 +200,8 @@ def elastic():
     posing as rank r, ``listen(r)`` a ROUTER on rank r's address (what rank 0 sends to r)."""
     from birdnet.daemon.elastic import ElasticPeerNet
     ctx = zmq.Context()
-    settings = Settings(peer_timeout=2.0, heartbeat_interval=0.1, elastic=True)
+    # peer_timeout well above the tests' length: a rank that never pings stays "presumed" alive
+    settings = Settings(peer_timeout=30.0, heartbeat_interval=0.1, elastic=True)
     peers = [Peer(r, "127.0.0.1", p) for r, p in enumerate(free_ports(3))]
     net = ElasticPeerNet(ctx, settings, peers, 0)
     socks = []
