@@ -23,8 +23,9 @@ Without it (the default), a lost node stops every round of the cluster until it 
   numbering with the cluster's (its lowest waiting round of the job becomes the round the leader
   started), so a returning node's processes may keep their numbering or start from zero.
 * **Lost messages.** Each connection numbers its messages (``q``, as on the fixed ring): a TCP
-  connection that broke and reconnected shows as a jump from that sender. The data phase fails on a
-  jump from its left member; an agreement waiting for the member before it starts again; a node
+  connection that broke and reconnected shows as a jump from that sender. The data phase, or a
+  node waiting for ``go``, fails the round on a jump from the member before it (the abort fails it
+  everywhere); the leader waiting for its ``start`` to come back starts the agreement again; a node
   waiting for a ``start`` asks the leader to start again (the start may be among the lost).
 * **Codec state** (error feedback, compensation) is dropped on every member when the epoch changes,
   so all members start the epoch from the same state and stay bit-identical; a returning node does
@@ -555,7 +556,7 @@ class ElasticRingWorker(RingWorker):
             if time.monotonic() > deadline:
                 raise RoundTimeoutError(f"round {key} did not start on every node within "
                                         f"round_timeout={self.settings.round_timeout} s")
-            self._check_gap_from(prev, key)
+            self._check_gap_from(prev, key, want)
             msg = net.poll(0.05)
             if msg is None or msg.get("from") not in ring:
                 continue
@@ -567,7 +568,7 @@ class ElasticRingWorker(RingWorker):
             if msg["from"] != prev:
                 continue
             if h.get("t") == want and h.get("k") == key:
-                self._check_gap_from(prev, key)  # what was lost may have been this round's
+                self._check_gap_from(prev, key, want)  # what was lost may have been this round's
                 return h
             if h.get("t") == "start" and want == "go" and h.get("L") != self.rank:
                 self.pending_start = msg  # the leader started again (this round or a newer one)
@@ -591,11 +592,17 @@ class ElasticRingWorker(RingWorker):
         except PeerLostError:
             pass  # the leader is not reachable: its loss is handled as such
 
-    def _check_gap_from(self, prev: int, key: str) -> None:
-        """Messages from ``prev`` were lost (a TCP connection reset): the agreement cannot be trusted
-        to come round. A PeerLostError here makes it start again (the callers' retry), it does not
-        fail the round."""
+    def _check_gap_from(self, prev: int, key: str, want: str) -> None:
+        """Messages from ``prev`` were lost (a TCP connection reset). The leader waiting for its
+        ``start`` to come back starts the agreement again (a PeerLostError: the caller's retry; no
+        node is in the data phase before the leader sends ``go``, so every node retries with it). A
+        node waiting for ``go`` fails the round instead (RoundAborted: the caller aborts it round the
+        ring without retry): the lost message may have been the ``go`` itself, and the nodes before
+        this one would then be in the data phase already, where an abort fails the round; retrying
+        here would leave this node waiting for a round the others have given up."""
         gap = self.net.take_gap_from(prev)
+        if gap and want == "go":
+            raise RoundAborted(f"round {key}: {gap}; this call failed, the next one runs afresh")
         if gap:
             raise PeerLostError(f"round {key}: {gap}")
 

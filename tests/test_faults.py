@@ -420,7 +420,7 @@ def test_elastic_tcp_connection_reset_costs_at_most_the_round_in_flight(tmp_path
     """The same resets in elastic mode, where every node connects to every other: each connection is
     numbered on its own, the losses are noticed and counted, no result is wrong, and no call waits
     for a timeout (round_timeout is 10 s here, every call must end before peer_timeout). A lost data
-    message fails that round at once; a lost ``start`` or ``go`` makes the agreement start again.
+    message or ``go`` fails that round at once; a lost ``start`` makes the agreement start again.
     The case the numbering exists for, a lost ``start`` (the leader waited round_timeout for it to
     come back round), needs a reset at one precise moment and is pinned down on sockets in
     tests/test_peers.py; here 30 resets without the numbering cost 7 calls and no wait
@@ -442,7 +442,7 @@ def test_elastic_tcp_connection_reset_costs_at_most_the_round_in_flight(tmp_path
         assert noticed(cl), f"{kills} resets and no lost message noticed: the test proves nothing"
         statuses = [_status_text(sock) for sock in cl.sockets]
         assert any(re.search(r"messages lost from peers: [1-9]", st) for st in statuses), statuses
-    _check_steady_calls(res, calls)  # only a lost data message fails a call: maybe none did
+    _check_steady_calls(res, calls)  # a lost start fails no call: maybe none failed
 
 
 ok_ns, why_ns = netns.available()

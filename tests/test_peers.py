@@ -288,11 +288,14 @@ def test_elastic_a_jump_fails_the_round_waiting_for_that_rank_only(elastic):
 
 def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     """The agreement's messages travel the ring: a gap from the member before this node means a
-    ``start`` or ``go`` may be gone. A node waiting in the agreement gives it up to be started again
-    (no call fails); a node still waiting for a start asks the leader to start again, instead of the
-    leader waiting round_timeout for its start to come back round."""
+    ``start`` or ``go`` may be gone. The leader waiting for its start to come back gives the
+    agreement up to start it again (no call fails); a node waiting for ``go`` fails the round (the
+    go may be lost with the nodes before it already in the data phase); a node still waiting for a
+    start asks the leader to start again, instead of the leader waiting round_timeout for its start
+    to come back round."""
     from birdnet.daemon.elastic import ElasticRingWorker
     from birdnet.daemon.engine import RoundRunner, StateStore
+    from birdnet.daemon.peers import RoundAborted
     net, settings, peer, listen = elastic
     to1 = listen(1)
     w = ElasticRingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)), lambda rnd: None)
@@ -300,12 +303,16 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     left.send_multipart(elastic_ping(settings, 2, 1))
     left.send_multipart(elastic_ping(settings, 2, 3))
     t = time.monotonic()
-    with pytest.raises(PeerLostError, match=r"round j/5: 1 message\(s\) from rank 2"):
-        w._wait_elastic("go", "j/5", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
+    with pytest.raises(PeerLostError, match=r"round j/4: 1 message\(s\) from rank 2") as got:
+        w._wait_elastic("start", "j/4", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
+    assert not isinstance(got.value, RoundAborted)  # the leader's caller retries on this
     assert time.monotonic() - t < 5
+    left.send_multipart(elastic_ping(settings, 2, 5))
+    with pytest.raises(RoundAborted, match=r"round j/5: 1 message\(s\) from rank 2"):
+        w._wait_elastic("go", "j/5", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
     # waiting for a start (a round of its own is ready): the leader, rank 1, is asked to start again
     w.order = ["j/6"]
-    left.send_multipart(elastic_ping(settings, 2, 5))
+    left.send_multipart(elastic_ping(settings, 2, 7))
     collect(net, 0.3)
     w._restart_if_start_lost(leader=1)
     got = received(to1, 1, "abort")
