@@ -9,6 +9,7 @@ earlier, killed instance left behind.
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import secrets
@@ -59,6 +60,13 @@ class Segment:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
+
+
+def segment_prefix(socket_path: str) -> str:
+    """The prefix of every segment the daemon serving ``socket_path`` creates: one per daemon, so a
+    restarted daemon (or a test harness, birdnet.bench.cluster) finds what a killed one left."""
+    digest = hashlib.blake2b(os.path.abspath(socket_path).encode(), digest_size=4).hexdigest()
+    return f"bn{digest}-"
 
 
 def new_name(prefix: str) -> str:

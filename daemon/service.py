@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import grp
-import hashlib
 import logging
 import math
 import os
@@ -52,7 +51,7 @@ from birdnet.errors import (
 )
 from birdnet.hosts import Peer, find_own_rank, load_hosts
 from birdnet.osutil import pid_alive, unix_socket_accepts
-from birdnet.shm import Segment, new_name, remove_stale
+from birdnet.shm import Segment, new_name, remove_stale, segment_prefix
 
 log = logging.getLogger("birdnet.daemon")
 
@@ -103,7 +102,7 @@ class Daemon:
             self.rank = 0
         self.world = len(self.peers)
         self.socket_path = settings.socket_path
-        self.shm_prefix = "bn" + hashlib.blake2b(os.path.abspath(self.socket_path).encode(), digest_size=4).hexdigest() + "-"
+        self.shm_prefix = segment_prefix(self.socket_path)
         self.gid = grp.getgrnam(settings.shm_group).gr_gid if settings.shm_group else None
         self.ctx = zmq.Context()
         self.sessions: dict[bytes, Session] = {}

@@ -16,8 +16,8 @@ pytest.importorskip("sklearn")
 def _segments_of(sockets) -> set[str]:
     """Shared-memory segments of the daemons serving ``sockets`` (their names carry a prefix
     derived from the socket path; other tests running at the same time have other prefixes)."""
-    import hashlib
-    prefixes = ["bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() for s in sockets]
+    from birdnet.shm import segment_prefix
+    prefixes = [segment_prefix(s) for s in sockets]
     return {f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)}
 
 

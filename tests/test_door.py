@@ -68,8 +68,8 @@ def test_garbage_is_dropped(door):
 
 
 def _shm_names(sock: str) -> set[str]:
-    import hashlib
-    prefix = "bn" + hashlib.blake2b(os.path.abspath(sock).encode(), digest_size=4).hexdigest() + "-"
+    from birdnet.shm import segment_prefix
+    prefix = segment_prefix(sock)
     return {f for f in os.listdir(SHM_DIR) if f.startswith(prefix)}
 
 

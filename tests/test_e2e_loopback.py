@@ -194,8 +194,8 @@ def test_sigterm_exits_zero_and_cleans_shared_memory(tmp_path):
     assert codes == [0, 0]
     for i in range(2):
         assert not os.path.exists(cl.sockets[i])
-    import hashlib
-    prefixes = ["bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() for s in cl.sockets]
+    from birdnet.shm import segment_prefix
+    prefixes = [segment_prefix(s) for s in cl.sockets]
     leftovers = [f for f in os.listdir("/dev/shm") if any(f.startswith(p) for p in prefixes)]
     assert leftovers == []
 

@@ -84,8 +84,8 @@ def drivers():
 
 
 def shm_prefix(sock: str) -> str:
-    import hashlib
-    return "bn" + hashlib.blake2b(os.path.abspath(sock).encode(), digest_size=4).hexdigest() + "-"
+    from birdnet.shm import segment_prefix
+    return segment_prefix(sock)
 
 
 def segments(sock: str) -> list[str]:
@@ -149,6 +149,24 @@ def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, driver
             res = [x.read() for x in d]
             assert [r.get("ok") for r in res] == [6.0] * 3, res
         assert res[1]["same"]  # a buffer() array of the old daemon still gets its result in place
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_daemon_never_restarted_leaves_no_shared_memory_after_the_harness(tmp_path, drivers):
+    """LocalCluster (tests, `birdnet bench`) removes what a daemon killed by a signal left in
+    /dev/shm when the cluster stops, as a restarted daemon would; a daemon that shut down cleanly
+    is left to clean up after itself (tests check that)."""
+    with LocalCluster(2, tmp_path) as cl:
+        d = [drivers(s) for s in cl.sockets]
+        for x in d:
+            x.send("buffer 1000")
+        assert [x.read()["ok"] for x in d] == [3.0] * 2
+        assert segments(cl.sockets[1]), "node 1's client holds a segment"
+        cl.send_signal(1, signal.SIGKILL)
+        cl.procs[1].wait(10)
+        assert segments(cl.sockets[1]), "a killed daemon cannot unlink its segments"
+    assert segments(cl.sockets[1]) == []
+    assert segments(cl.sockets[0]) == []
 
 
 # A daemon killed in a round and back before anyone counts it lost (systemd restarts it in well

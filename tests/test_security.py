@@ -204,8 +204,8 @@ def _shared_tmp(name: str) -> Path:
 
 
 def _prefix(sock: str) -> str:
-    import hashlib
-    return "bn" + hashlib.blake2b(os.path.abspath(sock).encode(), digest_size=4).hexdigest() + "-"
+    from birdnet.shm import segment_prefix
+    return segment_prefix(sock)
 
 
 @pytest.mark.timeout(90)

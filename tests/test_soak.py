@@ -10,13 +10,14 @@ descriptors by at most 2, /dev/shm entries of the daemons not at all (0 when no 
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 
 import fault_workers
 import pytest
 from cluster import LocalCluster
+
+from birdnet.shm import segment_prefix
 
 SECONDS = float(os.environ.get("BIRDNET_SOAK_SECONDS", "36"))
 SIZES = [0, 1, 1000, 5000, 100003, 400000]
@@ -36,8 +37,7 @@ def fds(pid: int) -> int:
 
 
 def shm_entries(sockets: list[str]) -> int:
-    prefixes = tuple("bn" + hashlib.blake2b(os.path.abspath(s).encode(), digest_size=4).hexdigest() + "-"
-                     for s in sockets)
+    prefixes = tuple(segment_prefix(s) for s in sockets)
     return sum(1 for f in os.listdir("/dev/shm") if f.startswith(prefixes))
 
 

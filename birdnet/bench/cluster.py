@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from birdnet.osutil import unix_socket_accepts
+from birdnet.shm import remove_stale, segment_prefix
 
 START_TIMEOUT = 30.0
 
@@ -50,6 +51,7 @@ class LocalCluster:
         self.per_node_extra = per_node_extra or [[] for _ in range(n)]
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.logs = [self.tmp / f"node{i}.log" for i in range(n)]
+        self.killed: set[int] = set()  #: nodes whose daemon ended by a signal (see stop)
 
     def command(self, i: int) -> list[str]:
         return [*self.prefixes[i], sys.executable, "-m", "birdnet.daemon.main", "--peers", str(self.hosts),
@@ -115,10 +117,20 @@ class LocalCluster:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
         self.procs[i] = None
+        if p.returncode is not None and p.returncode < 0:
+            self.killed.add(i)
         return p.returncode
 
     def stop(self) -> list[int | None]:
-        return [self.stop_node(i) for i in range(self.n)]
+        codes = [self.stop_node(i) for i in range(self.n)]
+        # A daemon killed by a signal (a fault test's SIGKILL) could not unlink its shared memory;
+        # a restarted one removes what it left (remove_stale), one never restarted would leave it in
+        # /dev/shm for good. Daemons that shut down cleanly are left alone: their own clean-up is what
+        # tests check.
+        for i in sorted(self.killed):
+            remove_stale(segment_prefix(self.sockets[i]))
+        self.killed.clear()
+        return codes
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
