@@ -369,7 +369,7 @@ class ElasticTransport(RoundTransport):
             why = net.gone(self.members, self.restarts_at, now)
             if why:
                 raise PeerLostError(f"{why} during round {self.key}")
-            self._check_gap_from_left()
+            self._check_gap()
             if now >= deadline:
                 raise PeerLostError(f"no data from rank {self.left_rank} ({net.peers[self.left_rank].address}) for "
                                     f"round {self.key} within {net.settings.peer_timeout} s")
@@ -389,11 +389,12 @@ class ElasticTransport(RoundTransport):
                 raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
             if h.get("t") != "data" or h.get("k") != self.key:
                 continue
-            self._check_gap_from_left()  # data that came after lost messages is not used
+            self._check_gap()  # data that came after lost messages is not used
             self.bytes_received += net.bytes_received - before
             return h, msg["b"]
 
-    def _check_gap_from_left(self) -> None:
+    def _check_gap(self) -> None:
+        """RoundTransport._check_gap for elastic mode: a gap on the connection from the left member."""
         gap = self.net.take_gap_from(self.left_rank)
         if gap:
             raise PeerLostError(f"round {self.key}: {gap}; this call failed, the next one runs afresh")

@@ -642,8 +642,7 @@ class PeerNet:
                 self.last_restart = f"rank {expected} ({self.left.address}) restarted (incarnation {h.get('inc')})"
             self.left_identity = identity
             # its numbering starts here: what it sent before this ping is held and released below
-            q = h.get("q")
-            self._left_q = q if isinstance(q, int) and not isinstance(q, bool) else None
+            self._left_q = lost_between(None, h)[1]
             self._release_held(identity, who, {})
         self.left_seen = time.monotonic()
         lost = h.get("lost")

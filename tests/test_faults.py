@@ -441,8 +441,9 @@ def test_elastic_tcp_connection_reset_costs_at_most_the_round_in_flight(tmp_path
     message or ``go`` fails that round at once; a lost ``start`` makes the agreement start again.
     The case the numbering exists for, a lost ``start`` (the leader waited round_timeout for it to
     come back round), needs a reset at one precise moment and is pinned down on sockets in
-    tests/test_peers.py; here 30 resets without the numbering cost 7 calls and no wait
-    (2026-12-01), as the ring's step check catches lost data at the next message."""
+    tests/test_peers.py; resets alone rarely hit it, and lost data is caught at the next message by
+    the ring's step check even without the numbering, so this test guards the counting and the
+    absence of waits rather than that case."""
     import workers
     if subprocess.run(["ss", "-V"], capture_output=True).returncode != 0:
         pytest.skip("needs iproute2's ss")
