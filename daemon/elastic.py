@@ -684,6 +684,28 @@ class ElasticRingWorker(RingWorker):
         log.info("joined the ring: job %r call numbers shifted by %+d to the cluster's (call %d is round %s)",
                  job, delta, mine[0].seq - delta, key)
 
+    def _fail_overtaken(self, key: str, leader: int) -> None:
+        """The leader started round ``key``: every earlier round of its job is over at the leader (it
+        starts a job's rounds in call order, and a round it completed had every member in it). One
+        still held here failed elsewhere while this node waited to run it again: a member was lost
+        while the ``go`` travelled, so the nodes the go had passed failed the round in the data
+        phase and the nodes still waiting for it gave the agreement up to retry, a retry no leader
+        starts. Fail it now, not after round_timeout: the job's process here gets its error (the
+        same round failed on the other nodes) and submits the round the leader started."""
+        parsed = wire.split_key(key)
+        if self.epoch == 0 or self.rank not in self.members:
+            # not a member of an epoch yet (a daemon just restarted): the start may be one queued for
+            # its previous life, delivered when the connection came back, and its call numbers are
+            # not the leader's until it joins
+            return
+        if parsed is None or (self.join_epoch is not None and parsed[0] not in self.aligned):
+            return  # a joiner's call numbers are not the cluster's until _maybe_align aligns them
+        job, seq = parsed
+        for k in [k for k in self.order if self.ready[k].job == job and self.ready[k].seq < seq]:
+            self._finish(self.ready[k], RoundAborted(
+                f"round {k} failed on other nodes (a member was lost while it started): the leader rank "
+                f"{leader} has gone on to round {key}"))
+
     def _follow_elastic(self, msg: dict) -> None:
         h, frm = msg["h"], msg.get("from")
         key, descs = h.get("k"), h.get("descs")
@@ -708,6 +730,7 @@ class ElasticRingWorker(RingWorker):
             self._maybe_align(key)
             if key in self.ready:
                 break
+            self._fail_overtaken(key, leader)
             if self.stopping:
                 return
             if time.monotonic() > deadline:

@@ -318,3 +318,75 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     got = received(to1, 1, "abort")
     assert got and got[0]["k"] == "j/6" and got[0]["retry"] is True and "from rank 2" in got[0]["reason"], got
     assert net.take_gap_from(2) is None
+
+
+def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
+    """A member lost while a ``go`` travels: the nodes it had passed fail the round in the data
+    phase, the others give the agreement up to retry it, and no leader starts it again. When the
+    leader starts the job's next round, a node still holding the earlier one fails it at once (not
+    after round_timeout) and takes part in the new one; a retried start of the same round, another
+    job's round, a joiner whose call numbers are not aligned yet, and a daemon that has not been a
+    member of an epoch yet (restarted: a start queued for its previous life) leave held rounds alone."""
+    import threading
+
+    from birdnet.daemon.elastic import ElasticRingWorker
+    from birdnet.daemon.engine import LocalRound, RoundRunner, StateStore
+    from birdnet.daemon.peers import RoundAborted
+    net, settings, peer, listen = elastic
+    to1 = listen(1)
+    finished: dict[str, BaseException | None] = {}
+    w = ElasticRingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)),
+                          lambda rnd: finished.__setitem__(rnd.key, rnd.error))
+    left = peer(2, b"r2-a")  # ring [0, 1, 2], leader 1: a start reaches rank 0 from rank 2
+    left.send_multipart(elastic_ping(settings, 2, 1))
+    collect(net, 0.3)
+
+    def held(job: str, seq: int) -> LocalRound:
+        rnd = LocalRound(job=job, seq=seq, kind="allreduce", desc={"kind": "allreduce", "name": "g"}, parts=[])
+        w.submit(rnd)
+        w._take_inbox()
+        return rnd
+
+    def start(key: str) -> dict:
+        return {"h": {"t": "start", "k": key, "S": [0, 1, 2], "ep": 1, "L": 1, "J": [],
+                      "descs": [[1, {"kind": "allreduce", "name": "g", "count": 1}],
+                                [2, {"kind": "allreduce", "name": "g", "count": 1}]]}, "from": 2}
+
+    def follow(key: str) -> threading.Thread:
+        t = threading.Thread(target=w._follow_elastic, args=(start(key),), daemon=True)
+        t.start()
+        return t
+
+    held("j", 5)
+    held("other", 2)
+    # a daemon that has not been a member of an epoch yet (restarted) may get a start queued for its
+    # previous life: its numbering is not the leader's, it keeps its rounds
+    w._fail_overtaken("j/6", 1)
+    assert "j/5" in w.ready and not finished
+    w.epoch, w.members = 1, [0, 1, 2]
+    t = follow("j/6")
+    deadline = time.monotonic() + 5
+    while "j/5" not in finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(finished.get("j/5"), RoundAborted), finished
+    assert "the leader rank 1 has gone on to round j/6" in str(finished["j/5"])
+    assert "other/2" in w.ready and "other/2" not in finished  # another job's round is not touched
+    held("j", 6)  # the job's process here submits the next call: this node joins the round
+    got = received(to1, 1, "start")
+    assert got and got[0]["k"] == "j/6" and [d[0] for d in got[0]["descs"]] == [1, 2, 0], got
+    w.stop()  # it now waits for the go; stopping ends that wait
+    t.join(10)
+    assert not t.is_alive()
+    # a start of a held round itself (the leader retried it) fails nothing: only earlier rounds go
+    held("j", 8)
+    w._fail_overtaken("j/8", 1)
+    assert "j/8" in w.ready and "j/8" not in finished
+    # a joiner whose call numbers are not aligned with the cluster's yet keeps its rounds
+    held("k", 3)
+    w.join_epoch, w.aligned = 1, set()
+    w._fail_overtaken("k/7", 1)
+    assert "k/3" in w.ready and "k/3" not in finished
+    w.aligned = {"k"}
+    w._fail_overtaken("k/7", 1)
+    assert isinstance(finished.get("k/3"), RoundAborted)
+    assert "other/2" in w.ready and "j/8" in w.ready
