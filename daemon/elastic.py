@@ -703,8 +703,9 @@ class ElasticRingWorker(RingWorker):
         job, seq = parsed
         for k in [k for k in self.order if self.ready[k].job == job and self.ready[k].seq < seq]:
             self._finish(self.ready[k], RoundAborted(
-                f"round {k} failed on other nodes (a member was lost while it started): the leader rank "
-                f"{leader} has gone on to round {key}"))
+                f"round {k} will not run: the leader rank {leader} has gone on to round {key} of the job (it "
+                f"failed on the nodes it reached, e.g. a member was lost while it started, or this node's "
+                f"processes number their calls behind the cluster's, e.g. one restarted alone)"))
 
     def _follow_elastic(self, msg: dict) -> None:
         h, frm = msg["h"], msg.get("from")
