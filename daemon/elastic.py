@@ -692,12 +692,12 @@ class ElasticRingWorker(RingWorker):
         phase and the nodes still waiting for it gave the agreement up to retry, a retry no leader
         starts. Fail it now, not after round_timeout: the job's process here gets its error (the
         same round failed on the other nodes) and submits the round the leader started."""
-        parsed = wire.split_key(key)
         if self.epoch == 0 or self.rank not in self.members:
             # not a member of an epoch yet (a daemon just restarted): the start may be one queued for
             # its previous life, delivered when the connection came back, and its call numbers are
             # not the leader's until it joins
             return
+        parsed = wire.split_key(key)
         if parsed is None or (self.join_epoch is not None and parsed[0] not in self.aligned):
             return  # a joiner's call numbers are not the cluster's until _maybe_align aligns them
         job, seq = parsed
