@@ -47,8 +47,8 @@ class Settings:
     codec: str = "none"  #: cluster-wide default codec
     codec_params: dict = dataclasses.field(default_factory=dict)  #: cluster-wide default parameters
     dense_threshold: int = 1024  #: cluster-wide: tensors with fewer elements always travel dense
-    #: cluster-wide: pipelining unit of the dense ring. 1 MiB: against 256 KiB, the same or less time
-    #: and 27-31% less daemon CPU for 11.7M-25.6M float32 on 8 nodes (docs/benchmarks.md)
+    #: cluster-wide: pipelining unit of the dense ring. 1 MiB: fewer messages than 256 KiB, each of which
+    #: costs Python and thread hand-offs on every node; measured in CHANGELOG.md, "History of measurements"
     chunk_bytes: int = 1 << 20
     peer_timeout: float = 10.0  #: no sign of life (data or heartbeat) from a neighbour for this long = lost
     heartbeat_interval: float = 0.5  #: how often neighbours ping each other when idle

@@ -4,9 +4,9 @@
 A result handed back through the client socket wakes four threads one after the other: the
 daemon's main thread, its ZeroMQ I/O thread, the client's I/O thread and the client's thread. On a
 machine whose cores are busy (the ring of the other nodes still running, or every node of a local
-cluster on one box) each wake waits for a core: one node's hand-off back took 0.8-1.0 ms at 4 nodes
-and 1.3-1.8 ms at 8 nodes on this project's 2-core test machine (docs/results/ab_door_*.json). Through the doorbell the ring worker writes the
-``done`` header itself, the moment the result is in shared memory, and only the waiting process
+cluster on one box) each wake waits for a core, so the hand-off back grows with the load (the
+measured figures are in CHANGELOG.md, "History of measurements"). Through the doorbell the ring
+worker writes the ``done`` header itself, the moment the result is in shared memory, and only the waiting process
 wakes. Everything else (requests, errors, and ``done`` when the doorbell cannot take it) still goes
 through the socket: the client matches replies by call number, whichever way they came.
 

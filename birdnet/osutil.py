@@ -67,9 +67,8 @@ def keep_freed_buffers(largest_buffer: int) -> str:
     Why: ZeroMQ allocates every received message (up to chunk_bytes each, 14 of them per node in a
     dense round on 8 nodes) and the ring frees it a moment later. With glibc's defaults the freed
     memory at the top of a heap is trimmed once it exceeds twice the largest recent allocation, so
-    the next messages page-fault the same memory back in, zero-filled by the kernel: 8 daemons
-    all-reducing 1M float32 at 1 Gbit/s took ~1,600 page faults and ~7 ms of system time per call
-    on this 2-core machine (docs/benchmarks.md). Buffers are served from the heap below
+    the next messages page-fault the same memory back in, zero-filled by the kernel, on every call
+    (figures in CHANGELOG.md, "History of measurements"). Buffers are served from the heap below
     ``mmap_threshold`` and up to ``trim_threshold`` of free memory stays in the process: a
     bounded, steady footprint, which a daemon that does the same round over and over wants.
 

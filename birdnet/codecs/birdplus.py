@@ -29,7 +29,7 @@ class BirdPlusCodec(BlockSamplingCodec):
 
     name = "birdplus"
     # gamma 16 (four squarings, exact on every CPU): the sharpest selection measured was the best one in
-    # the training benchmark (docs/benchmarks.md: 79.6% vs dense 79.4%; gamma 4: 77.2%, gamma 8: 78.5%)
+    # the training benchmark (docs/benchmarks.md, "birdplus variants")
     defaults = {**BlockSamplingCodec.common_defaults, "gamma": 16.0}
 
     def validate(self, params: dict[str, Any]) -> dict[str, Any]:

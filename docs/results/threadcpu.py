@@ -1,4 +1,4 @@
-"""Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "Freed message buffers").
+"""Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "The 8-node 1M gap at 1 Gbit/s").
 
     python docs/results/threadcpu.py --nodes 8 --calls 200 --rate 1gbit > OUT.json
 
