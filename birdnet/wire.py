@@ -14,6 +14,11 @@ frame    content                     checks on receipt (before anything is alloc
                                      refuses oversized frames before allocating them)
 =======  ==========================  ===============================================================
 
+Peer messages (birdnet.daemon.peers) then pass :func:`check_peer`: the header keys of
+``PEER_FIELDS`` that have a meaning of their own (round key, origin rank, incarnation, reasons) are
+checked or made safe once, there, so no handler downstream meets a forged rank or a log-injecting
+string.
+
 Buffers are handed to ZeroMQ as they are (large ones without copying: peers.send_frames) and received
 as zero-copy ``memoryview`` s.
 Header keys used by every message: ``t`` (message type). Everything else depends on ``t``; see
@@ -21,6 +26,7 @@ birdnet.daemon.peers and birdnet.daemon.service for the types.
 """
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -103,6 +109,68 @@ def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], li
     if not isinstance(header.get("t"), str):
         raise ProtocolError("header has no message type 't'")
     return header, bufs
+
+
+#: longest round key, incarnation and text field a peer may send (our own are far shorter)
+MAX_KEY_CHARS = 512
+MAX_TEXT_CHARS = 4096
+#: header keys of peer messages with a meaning of their own -> what they must be (check_peer)
+PEER_FIELDS: dict[str, str] = {
+    "k": "key",  # a round key "job/seq" (every start, go, abort, data and lane)
+    "o": "rank",  # the node that failed a round first: an abort travels until it is next to it
+    "rank": "int",  # a ping's or pong's sender (its range is the ping check's: it names the difference)
+    "world": "int",
+    "q": "count",  # a connection's message number
+    "ep": "count",  # elastic membership epoch
+    "inc": "token",  # the sender's incarnation: logged, so printable without spaces
+    "reason": "text", "req": "text", "err": "text",  # shown to users and logged
+}
+#: message types whose round key is required
+KEYED = frozenset(("start", "go", "abort", "data", "lane"))
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def printable(text: str, limit: int = MAX_TEXT_CHARS) -> str:
+    """``text`` with control characters (newlines too) escaped and cut to ``limit`` characters:
+    safe to log and to show (a peer's string must not forge log lines)."""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], text) if _UNSAFE.search(text) else text
+
+
+def check_peer(header: dict[str, Any], world: int) -> None:
+    """Check the fields of a decoded peer message that name ranks, rounds and incarnations, and make
+    its text fields printable (in place). Raises :class:`ProtocolError` naming the field: the
+    message is dropped where it arrived (an ``abort`` whose origin is no rank of the ring would
+    otherwise travel round it for good)."""
+    t = header["t"]
+    if t in KEYED and "k" not in header:
+        raise ProtocolError(f"{t!r} message without a round key 'k'")
+    for name in PEER_FIELDS.keys() & header.keys():
+        v, kind = header[name], PEER_FIELDS[name]
+        if kind == "text":
+            if not isinstance(v, str):
+                if v is None:
+                    continue
+                v = header[name] = str(v)
+            if len(v) > MAX_TEXT_CHARS or _UNSAFE.search(v):
+                header[name] = printable(v)
+            continue
+        if kind == "key":
+            if not isinstance(v, str) or len(v) > MAX_KEY_CHARS or split_key(v) is None:
+                raise ProtocolError(f"{t!r} message: round key {str(v)[:80]!r} is not 'job/seq'")
+            continue
+        if kind == "token":
+            if not isinstance(v, str) or not 0 < len(v) <= 64 or not v.isprintable() or " " in v:
+                raise ProtocolError(f"{t!r} message: incarnation {str(v)[:80]!r} is not a printable "
+                                    "token of at most 64 characters")
+            continue
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ProtocolError(f"{t!r} message: field {name!r} is {type(v).__name__}, expected an integer")
+        if kind == "rank" and not 0 <= v < world:
+            raise ProtocolError(f"{t!r} message: rank {v} in field {name!r} is not a rank of the {world}-node ring")
+        if kind == "count" and v < 0:
+            raise ProtocolError(f"{t!r} message: field {name!r} is {v}, expected a non-negative integer")
 
 
 def _bytes(frame: Any) -> bytes:

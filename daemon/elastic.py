@@ -251,6 +251,7 @@ class ElasticPeerNet(PeerNet):
                 return
             try:
                 header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
+                wire.check_peer(header, self.world)
             except ProtocolError as exc:
                 log.warning("dropped a bad reply from rank %d (%s): %s", r, self.peers[r].address, exc)
                 continue

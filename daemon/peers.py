@@ -459,6 +459,7 @@ class PeerNet:
                 return
             try:
                 header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
+                wire.check_peer(header, self.world)
             except ProtocolError as exc:
                 log.warning("dropped a bad reply from right neighbour %s: %s", self.right.address, exc)
                 continue
@@ -486,6 +487,7 @@ class PeerNet:
         identity = frames[0].bytes
         try:
             header, bufs = wire.decode(frames[1:], max_bytes=self.settings.max_message_bytes)
+            wire.check_peer(header, self.world)
         except ProtocolError as exc:
             self._drop(f"from {identity[:40]!r}: {exc}")
             if identity and frames[1:2] and frames[1].bytes.startswith(b"birdnet/"):
