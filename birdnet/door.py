@@ -33,6 +33,8 @@ from birdnet.shm import SHM_DIR
 
 #: a write of at most this many bytes to a pipe is atomic (POSIX PIPE_BUF; 4096 on Linux)
 ATOMIC_BYTES = select.PIPE_BUF
+#: what one Bell.read takes from the pipe at most (the rest waits for the next poll)
+MAX_BELL_READ = 1 << 20
 
 
 class _Fifo:
@@ -114,12 +116,12 @@ class DoorReader:
         """Move what the pipe holds into ``pending``."""
         if self.fd is None:
             return
-        self.eof = _drain(self.fd, self._unpacker)
         try:
+            self.eof = _drain(self.fd, self._unpacker)
             for obj in self._unpacker:
                 if isinstance(obj, dict) and isinstance(obj.get("t"), str):
                     self.pending.append(obj)
-        except ValueError:  # garbage: start over rather than stall
+        except (ValueError, msgpack.UnpackException):  # garbage: start over rather than stall
             self._unpacker = _unpacker()
 
     def close(self) -> None:
@@ -141,16 +143,37 @@ class Bell(_Fifo):
         self.garbage = 0
 
     def read(self) -> list[Any]:
-        """Whatever complete messages the pipe holds (anything msgpack; the caller checks them)."""
+        """The maps with string keys the pipe holds (the caller checks their fields).
+        Never raises on what a process wrote: bytes that are not msgpack, or an object announced
+        larger than any call (``MAX_BELL_BUFFER``), drop the stream read so far (``garbage``
+        counts it) and reading starts over. At most ``MAX_BELL_READ`` bytes per call, so a
+        process that writes without pause cannot hold the daemon's main thread."""
         if self.fd is None:
             return []
-        _drain(self.fd, self._unpacker)
-        out = []
-        try:
-            out.extend(self._unpacker)
-        except ValueError:  # not msgpack, or over the buffer limit: drop the stream, keep serving
-            self.garbage += 1
-            self._unpacker = _unpacker()
+        out: list[Any] = []
+        budget = MAX_BELL_READ
+        while budget > 0:
+            try:
+                data = os.read(self.fd, min(1 << 16, budget))
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            budget -= len(data)
+            try:
+                self._unpacker.feed(data)
+                for obj in self._unpacker:
+                    if isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
+                        out.append(obj)
+                    else:  # a bare 0 byte is msgpack too: counted, not handed on (or logged) one by one
+                        self.garbage += 1
+            except (ValueError, msgpack.UnpackException):
+                # not msgpack, or over the buffer limit (BufferFull is no ValueError): drop the
+                # stream, keep serving
+                self.garbage += 1
+                self._unpacker = _unpacker()
+            if len(data) < 1 << 16:
+                break
         return out
 
 

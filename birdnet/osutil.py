@@ -8,7 +8,11 @@ import sys
 
 
 def pid_alive(pid: int) -> bool:
-    """True if a process with this pid exists (also when it belongs to another user)."""
+    """True if a process with this pid exists (also when it belongs to another user). A pid that
+    cannot be a process (0 and negatives name process groups to os.kill; one over a C int overflows)
+    is not alive."""
+    if not isinstance(pid, int) or not 0 < pid < 2**31:
+        return False
     try:
         os.kill(pid, 0)
         return True
@@ -16,6 +20,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    except (OverflowError, ValueError):
+        return False
 
 
 def unix_socket_accepts(path: str, timeout: float = 0.5) -> bool:

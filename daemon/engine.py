@@ -363,7 +363,13 @@ class RingWorker(threading.Thread):
         except queue.Empty:
             return
         while True:
-            if item is not None:
+            if item is not None and item.key in self.ready:
+                # The service refuses a call number used twice; should one get here anyway, the
+                # round already held must not be overwritten (its key twice in order: KeyError).
+                item.error = InputError(f"round {item.key} is already in flight on node rank {self.rank}")
+                self.rounds_failed += 1
+                self.done(item)
+            elif item is not None:
                 self.ready[item.key] = item
                 self.order.append(item.key)
                 t = self._tombstone(item.key)

@@ -63,6 +63,93 @@ MAX_SEGMENT_BYTES = 1 << 34
 MAX_SLOTS = 256  #: shared-memory slots per client session
 MAX_SESSIONS = 1024  #: client sessions per daemon
 MAX_DEPARTED = 1024  #: jobs remembered as broken by a departed process
+MAX_PID = 2**22  #: Linux's largest pid_max (a pid above cannot exist; os.kill would overflow a C int)
+MAX_SEQ = 2**62  #: call numbers: far beyond any run, well inside the int64 the wire carries
+MAX_NAME = 16384  #: characters of a tensor name
+MAX_DIMS = 32
+#: call numbers below a process's highest one by more than this are refused as already used (the
+#: window bounds what a session remembers; calls can arrive out of order only between the socket
+#: and the submit FIFO, a few calls at most)
+SEQ_WINDOW = 4096
+
+
+def _int(lo: int, hi: int):
+    def check(v: Any) -> str | None:
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"is {type(v).__name__}, expected an integer {lo}..{hi}"
+        return None if lo <= v <= hi else f"is {v}, outside {lo}..{hi}"
+    return check
+
+
+def _str(lo: int, hi: int):
+    def check(v: Any) -> str | None:
+        if not isinstance(v, str):
+            return f"is {type(v).__name__}, expected a string"
+        return None if lo <= len(v) <= hi else f"has {len(v)} characters, expected {lo}..{hi}"
+    return check
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and v in choices else f"is {v!r}, expected one of {', '.join(choices)}"
+    return check
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"is {type(v).__name__}, expected true or false"
+
+
+def _map(v: Any) -> str | None:
+    return None if isinstance(v, dict) else f"is {type(v).__name__}, expected a map"
+
+
+def _codec(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, str) and 0 < len(v) <= 64) else f"is {v!r}, expected a codec name"
+
+
+def _shape(v: Any) -> str | None:
+    if not isinstance(v, list) or len(v) > MAX_DIMS:
+        return f"is {type(v).__name__ if not isinstance(v, list) else f'a list of {len(v)}'}, expected a list of at " \
+               f"most {MAX_DIMS} non-negative integers"
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+        return f"{v!r} is not a list of non-negative integers"
+    if math.prod(v) * 8 > MAX_SEGMENT_BYTES:  # Python ints: a huge shape cannot overflow
+        return f"{v!r} has {math.prod(v)} elements, more than any shared-memory segment holds"
+    return None
+
+
+_CALL = ("call", _int(-2**63, 2**63 - 1), False)
+#: every field of every client request: (key, check, required). Checked once, where bytes become a
+#: request (Daemon.dispatch), so handlers trust types and ranges; what needs the daemon's state
+#: (a slot that exists, a root within the job) the handlers check.
+REQUESTS: dict[str, tuple[tuple[str, Any, bool], ...]] = {
+    "hello": (_CALL, ("job", _str(1, 200), True), ("pid", _int(1, MAX_PID), True), ("door", _bool, False)),
+    "alloc": (_CALL, ("slot", _int(0, MAX_SLOTS - 1), True), ("nbytes", _int(0, MAX_SEGMENT_BYTES), True)),
+    "submit": (("call", _int(-2**63, 2**63 - 1), True), ("seq", _int(0, MAX_SEQ), True),
+               ("kind", _one_of(KINDS), True), ("door", _bool, False),
+               ("name", _str(0, MAX_NAME), False), ("shape", _shape, False),
+               ("dtype", _one_of(SUM_DTYPES), False), ("slot", _int(0, MAX_SLOTS - 1), False),
+               ("op", _one_of(OPS), False), ("codec", _codec, False), ("params", _map, False),
+               ("root", _int(0, 2**31 - 1), False)),
+    "status": (_CALL,),
+    "bye": (_CALL,),
+}
+#: fields a submit of these kinds must carry
+TENSOR_FIELDS = ("name", "shape", "dtype", "slot")
+
+
+def check_request(header: dict[str, Any]) -> None:
+    """Raise :class:`InputError` naming the first field of ``header`` (a client request, its type
+    known) that is missing, of the wrong type or out of range."""
+    t = header["t"]
+    for key, check, required in REQUESTS[t]:
+        if key not in header:
+            if required or (t == "submit" and key in TENSOR_FIELDS and header.get("kind") in ("allreduce", "broadcast")):
+                raise InputError(f"{t}: field {key!r} is missing")
+            continue
+        why = check(header[key])
+        if why is not None:
+            raise InputError(f"{t}: field {key!r} {why}")
 
 
 @dataclasses.dataclass
@@ -79,6 +166,9 @@ class Session:
     door: Door | None = None
     bell: Bell | None = None
     last_seq: int = -1  #: the highest call number this process submitted
+    #: call numbers this process used within SEQ_WINDOW below last_seq: a number used again is refused
+    #: (a round's key twice in the ring worker's order killed the worker)
+    used_seqs: set[int] = dataclasses.field(default_factory=set)
     started: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -238,7 +328,10 @@ class Daemon:
                 now = time.monotonic()
                 if now - last_reap > 1.0:
                     last_reap = now
-                    self.reap_sessions()
+                    try:
+                        self.reap_sessions()
+                    except Exception:  # noqa: BLE001 - a bad session must not stop the loop serving the others
+                        log.exception("reaping client sessions failed")
                     line = self._status_line()
                     if line != last_status:
                         notify.notify(f"STATUS={line}")
@@ -306,10 +399,7 @@ class Daemon:
         s = self.sessions.get(identity)
         if s is None or s.bell is None:
             return
-        for header in s.bell.read():
-            if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
-                log.info("dropped a message from pid %d's submit FIFO: not a map with string keys", s.pid)
-                continue
+        for header in s.bell.read():  # maps with string keys only (Bell.read counts the rest as garbage)
             self.dispatch(identity, header, ("submit",))
         if s.bell.garbage:
             # Whatever was in the pipe with the garbage is gone with it: say so to the process (its
@@ -326,6 +416,7 @@ class Daemon:
             handler = getattr(self, f"handle_{t}", None) if t in allowed else None
             if handler is None:
                 raise ProtocolError(f"unknown request {t!r}")
+            check_request(header)
             handler(identity, header)
         except BirdnetError as exc:
             log.info("client request refused: %s", exc)
@@ -344,6 +435,8 @@ class Daemon:
         pid = wire.field(h, "pid", int, "hello")
         if not job or len(job) > 200:
             raise InputError("job name must be 1..200 characters")
+        if pid > MAX_PID:  # check_request bounds it; os.kill and the reaper need a C int
+            raise InputError(f"hello: field 'pid' is {pid}, outside 1..{MAX_PID}")
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
         same = [x for x in self.sessions.values() if x.job == job and x.pid == pid]
@@ -410,7 +503,8 @@ class Daemon:
         if not 0 <= slot < MAX_SLOTS:
             raise InputError(f"slot {slot} is outside 0..{MAX_SLOTS - 1}")
         if not 0 <= nbytes <= min(MAX_SEGMENT_BYTES, self.settings.max_message_bytes * 4):
-            raise InputError(f"shared-memory request of {nbytes} bytes is outside the limit")
+            raise InputError(f"alloc: field 'nbytes' is {nbytes}, outside 0.."
+                             f"{min(MAX_SEGMENT_BYTES, self.settings.max_message_bytes * 4)} (4 x max_message_bytes)")
         self.handle_finished()  # a result that went through the doorbell frees its slot here first
         if slot in s.inflight:
             raise InputError(f"slot {slot} is in use by a call in flight")
@@ -425,15 +519,17 @@ class Daemon:
 
     def handle_submit(self, identity: bytes, h: dict[str, Any]) -> None:
         s = self._session(identity)
-        call = wire.field(h, "call", int, "submit")
-        seq = wire.field(h, "seq", int, "submit")
-        kind = wire.field(h, "kind", str, "submit")
-        if kind not in KINDS:
-            raise InputError(f"unknown collective {kind!r}")
+        call, seq, kind = h["call"], h["seq"], h["kind"]  # types and ranges: check_request
+        if seq in s.used_seqs or seq < s.last_seq - SEQ_WINDOW:
+            raise InputError(f"call {seq} was already submitted by this process (pid {s.pid}); call numbers are "
+                             "used once (only birdnet.client numbers calls)")
         gone = self.worker.departed.get(s.job) if self.worker is not None else None
         if gone is not None and seq >= gone[1]:
             raise ProcessLostError(f"job {s.job!r} cannot run call {seq} on node rank {self.rank}: {gone[0]}")
-        s.last_seq = max(s.last_seq, seq)
+        root = h.get("root", 0)
+        if not root < self.world * self.settings.local_size:
+            raise InputError(f"submit: field 'root' is {root}, not a rank of this job "
+                             f"(0..{self.world * self.settings.local_size - 1})")
         desc: dict[str, Any] = {"kind": kind, "name": None, "shape": [], "dtype": None, "op": None,
                                 "codec": None, "root": None}
         array = None
@@ -468,20 +564,27 @@ class Daemon:
                 from birdnet.codecs import get_codec
                 desc["codec"] = get_codec(codec_name, **params).describe()  # CodecError names the problem
             if kind == "broadcast":
-                root = h.get("root", 0)
-                if not isinstance(root, int) or not 0 <= root < self.world * self.settings.local_size:
-                    raise InputError(f"broadcast root {root!r} is not a rank of this job")
                 desc["root"] = root
-            s.inflight[slot] = call
+            if slot in s.inflight:
+                self.handle_finished()  # a result that went through the doorbell frees its slot here first
+            if slot in s.inflight:
+                # two rounds writing one segment would give both a wrong result, silently
+                raise InputError(f"tensor {name!r}: slot {slot} is in use by call {s.inflight[slot]}, still in flight")
+        j = self.jobs[s.job]
+        # Everything is checked: from here on the submit is taken, and the session records it.
         if h.get("door") is True and s.door is not None and not s.door.armed:
             s.door.armed = True  # the process has its ends open: results may go this way now
             s.door.unlink()
             if s.bell is not None:
                 s.bell.unlink()
-        j = self.jobs[s.job]
+        s.used_seqs.add(seq)
+        if seq > s.last_seq:
+            s.last_seq = seq
+            if len(s.used_seqs) > SEQ_WINDOW:
+                s.used_seqs = {q for q in s.used_seqs if q >= seq - SEQ_WINDOW}
+        if array is not None:
+            s.inflight[slot] = call
         pend = j.pending.setdefault(seq, {})
-        if s.local_index in pend:
-            raise InputError(f"call {seq} submitted twice by the same process")
         contribution = None
         if array is not None:
             contribution = Contribution(identity, call, array, s.local_index,
@@ -616,7 +719,8 @@ class Daemon:
             "version": __version__, "rank": self.rank, "world": self.world, "local_size": self.settings.local_size,
             "socket": self.socket_path, "cluster": self.settings.cluster, "codec": self.settings.codec,
             "peers": peers,
-            "jobs": {name: {"processes": [{"local_rank": i, "pid": s.pid} for i, s in sorted(j.sessions.items())]}
+            "jobs": {name: {"processes": [{"local_rank": i, "pid": s.pid, "last_call": s.last_seq}
+                                          for i, s in sorted(j.sessions.items())]}
                      for name, j in self.jobs.items()},
             "rounds_done": w.rounds_done if w else 0, "rounds_failed": w.rounds_failed if w else 0,
             "round_agreements": w.agreements if w else 0,

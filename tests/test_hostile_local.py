@@ -1,0 +1,321 @@
+"""A misbehaving or hostile LOCAL process against a real birdnetd (issue 19, the local half): every
+client message type with out-of-range, wrong-type and missing fields, garbage in the submit FIFO,
+shared-memory segments shrunk, unlinked and resized under the daemon, floods of connections and
+sessions, repeated call numbers. After each, the daemon must still serve a correct all-reduce, its
+resident memory must have grown by less than 64 MB, and its file descriptors must be back at their
+baseline once the connections closed (docs/security.md, "Hostile input: what was tried and what
+happens")."""
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from birdnet.client import Client
+from cluster import LocalCluster
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from birdnet import PROTOCOL_VERSION, wire
+
+RSS_GROWTH_LIMIT = 64 << 20
+CHECK_TIMEOUT = 20.0
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Node:
+    """One real birdnetd (a one-node ring) and its baseline figures."""
+
+    def __init__(self, tmp, extra=(), local_size: int = 1) -> None:
+        self.cl = LocalCluster(1, tmp, extra=["--round-timeout", "3", *extra], local_size=local_size)
+        self.cl.start()
+        self.sock = self.cl.sockets[0]
+        self.ctx = zmq.Context()
+        self.checks = 0
+        if local_size == 1:
+            self.healthy()  # the first round allocates what every later one reuses
+            time.sleep(0.5)
+        self.base_rss = _rss(self.pid)
+        self.base_fds = _fds(self.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.cl.procs[0].pid
+
+    def alive(self) -> None:
+        p = self.cl.procs[0]
+        assert p.poll() is None, f"birdnetd died (exit {p.returncode}): {self.cl.log(0)[-3000:]}"
+        assert "Traceback" not in self.cl.log(0), self.cl.log(0)[-3000:]
+
+    def healthy(self, fds: bool = True) -> None:
+        """The daemon lives, serves a correct all-reduce, grew < 64 MB, and (``fds``) its
+        descriptors are back at their baseline once the test's connections are closed."""
+        self.alive()
+        self.checks += 1
+        x = np.arange(1000, dtype=np.float32) * 0.5
+        with Client(self.sock, job=f"check{self.checks}", connect_timeout=5.0) as c:
+            out = c.allreduce(x, name="check", timeout=CHECK_TIMEOUT)
+        assert out.tobytes() == x.tobytes()
+        self.alive()
+        if hasattr(self, "base_rss"):
+            grew = _rss(self.pid) - self.base_rss
+            assert grew < RSS_GROWTH_LIMIT, f"RSS grew by {grew >> 20} MB"
+            if fds:
+                deadline = time.monotonic() + 10.0
+                while _fds(self.pid) > self.base_fds and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert _fds(self.pid) <= self.base_fds, (_fds(self.pid), self.base_fds,
+                                                         sorted(os.listdir(f"/proc/{self.pid}/fd")))
+
+    def raw(self) -> "Raw":
+        return Raw(self.ctx, self.sock)
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+        codes = self.cl.stop()
+        assert codes == [0], self.cl.log(0)[-3000:]
+
+
+class Raw:
+    """A hand-made client: any header, no checks."""
+
+    def __init__(self, ctx: zmq.Context, path: str) -> None:
+        self.s = ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(f"ipc://{path}")
+
+    def send(self, header: dict) -> None:
+        self.s.send_multipart(wire.encode(header))
+
+    def recv(self, timeout: float = 5.0) -> dict:
+        assert self.s.poll(int(timeout * 1000)), "no reply from birdnetd"
+        h, _ = wire.decode(self.s.recv_multipart(), max_bytes=wire.MAX_HEADER_BYTES)
+        return h
+
+    def ask(self, header: dict, timeout: float = 5.0) -> dict:
+        self.send(header)
+        return self.recv(timeout)
+
+    def hello(self, job: str = "raw", **extra) -> dict:
+        return self.ask({"t": "hello", "proto": PROTOCOL_VERSION, "job": job, "pid": os.getpid(), **extra})
+
+    def close(self) -> None:
+        self.s.close(0)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    n = Node(tmp_path_factory.mktemp("hostile"))
+    yield n
+    n.close()
+
+
+# -- 1: every field of every client message, validated once ------------------------------------------
+GOOD = {
+    "hello": {"t": "hello", "proto": PROTOCOL_VERSION, "job": "fields", "call": 1},
+    "alloc": {"t": "alloc", "slot": 0, "nbytes": 4096, "call": 2},
+    "submit": {"t": "submit", "call": 3, "seq": 0, "kind": "allreduce", "name": "w", "shape": [4],
+               "dtype": "float32", "slot": 0, "op": "mean"},
+    "status": {"t": "status", "call": 4},
+    "bye": {"t": "bye", "call": 5},
+}
+BAD_VALUES = {
+    "pid": [2**40, -1, 0, 2**63 - 1, "1", 1.5, None, True, [1]],
+    "job": ["", "x" * 201, 5, None, b"bytes"],
+    "call": [2**64 - 1, "1", 1.5, [1], {"a": 1}],
+    "slot": [-1, 256, 2**40, "0", 0.0, None],
+    "nbytes": [-1, 2**60, "4096", 1.5, None],
+    "seq": [-1, 2**63 - 1, "0", 0.5, None, True],
+    "kind": ["nope", 3, None],
+    "name": [5, None, "x" * 20000, ["w"]],
+    "shape": [[-1], [2**62, 2**62], "4", [4.0], [[4]], list(range(40)), None],
+    "dtype": ["object", "V8", 5, None, "float32" * 100],
+    "op": ["max", 3],
+    "codec": [3, ["topk"]],
+    "params": ["x", [1]],
+    "root": [-1, 10**6, "0", None],
+    "door": ["yes", 1],
+}
+
+
+def _cases():
+    for t in GOOD:
+        fields = (["pid", "job", "call", "door"] if t == "hello" else
+                  ["slot", "nbytes", "call"] if t == "alloc" else
+                  ["call", "seq", "kind", "name", "shape", "dtype", "slot", "op", "codec", "params", "root", "door"]
+                  if t == "submit" else ["call"])
+        for f in fields:
+            for v in BAD_VALUES[f]:
+                yield t, f, v
+            if f in ("pid", "job", "slot", "nbytes", "seq", "kind", "name", "shape", "dtype"):
+                yield t, f, "<missing>"
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.timeout(120)
+def test_every_field_of_every_message_wrong_gets_an_error_and_the_daemon_lives(node):
+    r = node.raw()
+    assert r.hello(job="fields")["t"] == "welcome"
+    assert r.ask(GOOD["alloc"])["t"] == "shm"
+    refused = []
+    for t, f, v in CASES:
+        h = dict(GOOD[t])
+        if t == "hello":
+            h["pid"] = os.getpid()
+        if v == "<missing>":
+            h.pop(f, None)
+        else:
+            h[f] = v
+        if t == "submit" and f not in ("codec", "params"):
+            h.pop("codec", None)
+        reply = r.ask(h)
+        if reply["t"] != "error":
+            refused.append((t, f, v, reply))
+            continue
+        assert reply["error"] in ("InputError", "ProtocolError", "VersionMismatchError", "CodecError"), reply
+        if f != "call":
+            assert repr(f) in reply["message"] or f in reply["message"], (t, f, v, reply)
+    assert not refused, refused
+    time.sleep(1.5)  # the session reaper runs once a second: a hello of pid 2**40 killed it there
+    r.ask({"t": "bye", "call": 9})
+    r.close()
+    node.healthy()
+
+
+@pytest.mark.timeout(60)
+def test_hello_pid_that_does_not_fit_a_c_int_does_not_kill_the_daemon(node):
+    r = node.raw()
+    reply = r.ask({"t": "hello", "proto": PROTOCOL_VERSION, "job": "bigpid", "pid": 2**40})
+    assert reply["t"] == "error" and "pid" in reply["message"], reply
+    time.sleep(1.5)
+    r.close()
+    node.healthy()
+
+
+# -- 11: a refused submit changes nothing --------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_refused_submit_leaves_no_trace_in_the_session(node):
+    """A submit refused for a bad field must not mark its slot in flight (the next alloc of that
+    slot was refused) nor move the process's last call number (which the departure notice uses)."""
+    r = node.raw()
+    assert r.hello(job="trace")["t"] == "welcome"
+    assert r.ask({"t": "alloc", "slot": 0, "nbytes": 64, "call": 1})["t"] == "shm"
+    bad = {"t": "submit", "call": 2, "seq": 5, "kind": "allreduce", "name": "w", "shape": [4],
+           "dtype": "float32", "slot": 0, "op": "max"}
+    assert r.ask(bad)["t"] == "error"
+    # the slot is free again: a re-alloc of it works
+    assert r.ask({"t": "alloc", "slot": 0, "nbytes": 64, "call": 3})["t"] == "shm"
+    st = r.ask({"t": "status", "call": 4})["status"]
+    procs = st["jobs"]["trace"]["processes"]
+    assert procs[0]["last_call"] == -1, procs
+    r.ask({"t": "bye", "call": 5})
+    r.close()
+    node.healthy()
+
+
+# -- 5: the same call number again while its round is in flight -----------------------------------------
+@pytest.mark.timeout(60)
+def test_same_call_number_twice_in_flight_is_refused(tmp_path):
+    """local_size 1, one node: a round launches at once, so a second submit of the same call number
+    reached the ring worker's order twice (KeyError: the worker died, the daemon exited)."""
+    n = Node(tmp_path)
+    try:
+        r = n.raw()
+        assert r.hello(job="dup")["t"] == "welcome"
+        for slot in (0, 1):
+            assert r.ask({"t": "alloc", "slot": slot, "nbytes": 4 << 20, "call": 10 + slot})["t"] == "shm"
+        sub = {"t": "submit", "seq": 0, "kind": "allreduce", "name": "w", "shape": [1 << 20], "dtype": "float32",
+               "op": "mean"}
+        for i in range(20):  # the second and later ones arrive while the first runs (or just after)
+            r.send({**sub, "call": 100 + i, "slot": i % 2})
+        replies = [r.recv() for _ in range(20)]
+        kinds = sorted(h["t"] for h in replies)
+        assert kinds.count("done") == 1, replies
+        errors = [h for h in replies if h["t"] == "error"]
+        assert all("call 0" in h["message"] for h in errors), errors
+        r.ask({"t": "bye", "call": 1})
+        r.close()
+        n.healthy()
+    finally:
+        n.close()
+
+
+# -- 4: garbage in the submit FIFO ----------------------------------------------------------------------
+def _fifo_session(node: Node, job: str):
+    r = node.raw()
+    welcome = r.hello(job=job, door=True)
+    assert welcome["t"] == "welcome" and "bell" in welcome, welcome
+    fd = os.open(os.path.join("/dev/shm", welcome["bell"]), os.O_WRONLY | os.O_NONBLOCK)
+    door = os.open(os.path.join("/dev/shm", welcome["door"]), os.O_RDONLY | os.O_NONBLOCK)
+    return r, fd, door
+
+
+def _write_all(fd: int, data: bytes, timeout: float = 20.0) -> None:
+    view, deadline = memoryview(data), time.monotonic() + timeout
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            assert time.monotonic() < deadline, "the daemon stopped reading its submit FIFO"
+            time.sleep(0.001)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", [4096, (1 << 20) - 16, (1 << 20) + 1, 3 << 20])
+def test_submit_fifo_garbage_up_to_and_past_the_buffer_limit(node, size):
+    """A str8/bin32 header that announces more than the unpacker's 1 MiB buffer, then its bytes:
+    msgpack raised BufferFull outside the try and the main loop died."""
+    r, fd, door = _fifo_session(node, f"fifo{size}")
+    # a bin32 object of ``size`` bytes: valid msgpack, but larger than any submit may be
+    _write_all(fd, b"\xc6" + size.to_bytes(4, "big") + b"\0" * size)
+    _write_all(fd, bytes(range(256)) * 64)  # and plain garbage after it
+    time.sleep(0.5)
+    node.alive()
+    while r.s.poll(200):
+        r.s.recv_multipart()
+    r.ask({"t": "bye", "call": 1})
+    os.close(fd)
+    os.close(door)
+    r.close()
+    node.healthy()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(chunks=st.lists(st.one_of(st.binary(max_size=5000),
+                                 st.builds(lambda h: msgpack.packb(h), st.dictionaries(
+                                     st.sampled_from(["t", "seq", "call", "kind", "slot", "name", "shape"]),
+                                     st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=5), st.none(),
+                                               st.lists(st.integers(-3, 2**40), max_size=3)), max_size=7))),
+                       max_size=8))
+def _fifo_fuzz(node, fd, chunks):
+    for c in chunks:
+        _write_all(fd, c)
+
+
+@pytest.mark.timeout(120)
+def test_submit_fifo_random_bytes_and_maps(node):
+    r, fd, door = _fifo_session(node, "fifofuzz")
+    _fifo_fuzz(node, fd)
+    time.sleep(0.5)
+    node.alive()
+    r.ask({"t": "bye", "call": 1}, timeout=10)
+    os.close(fd)
+    os.close(door)
+    r.close()
+    node.healthy()
