@@ -27,7 +27,8 @@ def birdnet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(300)
 def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
     p = birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "1000,50000", "--codecs",
-                "none,marsit,birdplus:density=0.05", "--runs", "2", "--warmup", "1", "--json")
+                "none,marsit,birdplus:density=0.05", "--runs", "2", "--warmup", "1", "--loop-calls", "3",
+                "--loop-warmup", "1", "--json")
     out = json.loads(p.stdout)
     assert out["meta"]["nodes"] == 2 and out["meta"]["mode"] == "loopback"
     rows = {(r["count"], r["codec"]): r for r in out["rows"]}
@@ -46,8 +47,22 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         assert ph["data_start"] == pytest.approx(statistics.median(max(run) for run in ph["data_starts"]))
         assert 0 <= ph["handoff_in"] <= ph["result"] and 0 <= ph["handoff_out"] <= ph["result"]
         assert r["daemon_cpu_s"] > 0
-        # nccl-tests' back-to-back time per call: dense only
-        assert (r["loop_s"] > 0) if r["codec"] == "none" else (r["loop_s"] is None)
+        # the loop, for every codec: calls back to back, the median of the slowest node's time from
+        # its previous result to this one, with the process's own arrays and with client.buffer
+        assert len(r["loop_times"]) == 3 and r["loop_s"] == pytest.approx(statistics.median(r["loop_times"]))
+        assert len(r["loop_buffer_times"]) == 3 and r["loop_buffer_s"] > 0
+        assert r["loop_vs_call"] == pytest.approx(r["loop_s"] / r["time_s"])
+        # no call ends sooner than the data phase it waited for: the phases add up to at most a call
+        lp = r["loop_phases_s"]
+        assert set(lp) == {"gap", "in", "wait", "data", "out"} and all(v >= 0 for v in lp.values())
+        assert lp["data"] <= max(r["loop_times"])
+        # per node and call: [previous result, call, result], in that order
+        assert len(r["loop_trace"]) == 2
+        for node in r["loop_trace"]:
+            assert all(a <= b <= c for a, b, c in node["marks"])
+        # one round's CPU: every daemon thread (from /proc) and the processes' hand-off
+        assert r["cpu_round_daemon_s"] > 0 and r["cpu_round_client_s"] > 0
+        assert r["cpu_round_s"] == pytest.approx(r["cpu_round_daemon_s"] + r["cpu_round_client_s"])
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6
     # compressed codecs send fewer bytes than dense, and report a (finite) error: they are lossy
@@ -71,7 +86,8 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     pytest.importorskip("torch")
     before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     p = birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "2000000", "--codecs", "none", "--runs", "1",
-                "--warmup", "1", "--netns", "--rate", "1gbit", "--vs-gloo", "--json", timeout=360)
+                "--warmup", "1", "--loop-calls", "2", "--loop-warmup", "1", "--netns", "--rate", "1gbit",
+                "--vs-gloo", "--json", timeout=360)
     out = json.loads(p.stdout)
     (row,) = out["rows"]
     assert out["meta"]["mode"] == "netns" and out["meta"]["rate"] == "1gbit"
@@ -83,6 +99,8 @@ def test_bench_allreduce_netns_shaped_vs_gloo():
     assert row["time_s"] > 0.055 and row["gloo_time_s"] > 0.055
     # back to back (nccl-tests' way), the link is the limit too
     assert row["loop_s"] > 0.055 and row["gloo_loop_s"] > 0.055 and row["loop_vs_gloo"] > 0
+    assert row["loop_speedup_vs_gloo"] == pytest.approx(1 / row["loop_vs_gloo"])
+    assert len(row["gloo_loop_times"]) == 2 and row["gloo_loop_cpu_s"] > 0 and row["cpu_vs_gloo"] > 0
     after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
     assert after <= before, "the benchmark left network namespaces behind"
 

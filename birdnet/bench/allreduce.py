@@ -3,7 +3,17 @@
 the exact mean; optionally in network namespaces with token-bucket links and next to
 torch.distributed/Gloo on the same links in the same run.
 
-Timing: every measured call starts right after a barrier; a run's time is the slowest node's; each
+The loop (the headline): as a training loop and nccl-tests make them, calls back to back after one
+barrier, ``--loop-warmup`` warm-up calls then ``--loop-calls`` timed ones; a call's time is the
+slowest node's time from its previous result to this result, and the figure is the median over the
+timed calls. Once with the training process's own NumPy array (``client.allreduce(g)``: the copy
+into shared memory and the new result array are in the time) and once with a ``client.buffer``
+array refilled before every call, the refill inside the time. Every codec gets the same input on
+every call (a lossy codec's error feedback still moves on, as in training). Around the timed calls
+the CPU time of every daemon (all threads, from /proc) and of every training process (its
+hand-off: copies in and out, the client's threads) is read, per round and summed over the nodes.
+
+Per call: every measured call starts right after a barrier; a run's time is the slowest node's; each
 figure is the median of ``--runs`` runs after ``--warmup`` warm-up calls. Beside it, the *span*: from
 the last node's call to the last node's result on the machine's one monotonic clock (network
 namespaces share it), which leaves out how far apart the barrier released the nodes. algbw = bytes / time,
@@ -52,9 +62,10 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                 times, marks, stats, out = [], [], [], None
                 c.reset_state()
                 # A lossy codec gets the same gradient every run (its result fed back would change
-                # run after run). A dense all-reduce of its own result is the same work, so, as in
-                # the Gloo loop, the buffer is not refilled: a 4-100 MB copy on every node right as
-                # the slowest node is still finishing the call before would slow that call down.
+                # run after run). A dense all-reduce of its own result is the same work, so the
+                # buffer is not refilled here: a 4-100 MB copy on every node right as the slowest
+                # node is still finishing the call before would slow that call down. (The loops
+                # below do refill: that is what a training loop pays.)
                 refill = name != "none"
                 for i in range(cfg["warmup"] + cfg["runs"]):
                     if refill or i == 0:
@@ -69,16 +80,8 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                         times.append(t1 - t0)
                         marks.append([t0, t1])
                         stats.append(h.stats)
-                loop = None
-                if not refill:
-                    # As nccl-tests time: the calls back to back after one barrier, total / count. The
-                    # barrier before each run above releases the nodes up to a trip round the ring apart,
-                    # which a per-run time includes; a training loop has no such barrier.
-                    c.barrier()
-                    t0 = time.monotonic()
-                    for _ in range(cfg["runs"]):
-                        c.allreduce_async(buf, name=f"g{n}", codec=name, **params).wait(900)
-                    loop = (time.monotonic() - t0) / cfg["runs"]
+                loops = {mode: timed_loop(c, x, buf, mode, f"g{n}", name, params, cfg)
+                         for mode in ("own", "buffer")}
                 if cfg["check"] and not refill:  # every process: one more call, untimed, of the inputs
                     buf[:] = x
                     out = c.allreduce(buf, name=f"g{n}", codec=name, timeout=900, **params)
@@ -86,8 +89,87 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                 if exact is not None and out is not None:
                     err = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
                 res[f"{label(name, params)}|{n}"] = {"times": times, "marks": marks, "stats": stats, "error": err,
-                                                     "loop": loop}
+                                                     "loops": loops}
     return res
+
+
+def task_cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of process ``pid`` (nanosecond resolution: the first field of
+    /proc/PID/task/TID/schedstat), 0.0 when unreadable. /proc is shared by network namespaces."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def timed_loop(c, x: np.ndarray, buf: np.ndarray, mode: str, tensor: str, codec: str,
+               params: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Calls back to back after one barrier, as a training loop makes them. ``mode`` "own": the
+    process's own array ``x`` goes in and a new array comes back; "buffer": ``buf`` (a
+    client.buffer array) is refilled from ``x`` before every call, inside the time. Returns this
+    node's per-call marks [previous result, call, result] and stats of the timed calls, and the CPU
+    time over them of this process (its hand-off) and of its daemon (all threads)."""
+    warm, calls = cfg["loop_warmup"], cfg["loop_calls"]
+    daemon = cfg["daemon_pids"][c.node] if cfg.get("daemon_pids") else None
+    marks, stats = [], []
+    c.barrier()
+    prev = time.monotonic()
+    cpu0 = d0 = 0.0
+    for i in range(warm + calls):
+        if i == warm:
+            cpu0, d0 = time.process_time(), (task_cpu_seconds(daemon) if daemon else 0.0)
+        t0 = time.monotonic()
+        if mode == "own":
+            h = c.allreduce_async(x, name=tensor, codec=codec, **params)
+        else:
+            buf[:] = x
+            h = c.allreduce_async(buf, name=tensor, codec=codec, **params)
+        h.wait(900)
+        t1 = time.monotonic()
+        if i >= warm:
+            marks.append([prev, t0, t1])
+            stats.append({k: h.stats[k] for k in ("t_ready", "t_data", "t_end", "cpu_seconds") if k in h.stats})
+        prev = t1
+    return {"marks": marks, "stats": stats, "client_cpu": (time.process_time() - cpu0) / calls,
+            "daemon_cpu": ((task_cpu_seconds(daemon) - d0) / calls) if daemon else None}
+
+
+def loop_figures(per_node: list[dict[str, Any]]) -> dict[str, Any]:
+    """The loop of every node (timed_loop's results) as figures: ``time`` the median over calls of
+    the slowest node's time from its previous result to this one; ``times`` those per call;
+    ``mean`` the slowest node's average; ``cpu`` / ``daemon_cpu`` / ``client_cpu`` per round,
+    summed over nodes; ``phases`` medians over nodes and calls of one node's gap (previous result
+    to the call), hand-off in (call to its daemon having the input), wait (to the data phase: the
+    agreement, or the lane waiting for the other nodes), data phase, hand-off out (to the result)."""
+    calls = len(per_node[0]["marks"])
+    times = [max(pn["marks"][i][2] - pn["marks"][i][0] for pn in per_node) for i in range(calls)]
+    out: dict[str, Any] = {
+        "time": statistics.median(times), "times": times,
+        "mean": max((pn["marks"][-1][2] - pn["marks"][0][0]) / calls for pn in per_node),
+        "client_cpu": sum(pn["client_cpu"] for pn in per_node)}
+    dcpu = [pn["daemon_cpu"] for pn in per_node]
+    out["daemon_cpu"] = sum(dcpu) if all(d is not None for d in dcpu) else None
+    out["cpu"] = out["client_cpu"] + out["daemon_cpu"] if out["daemon_cpu"] is not None else None
+    parts: dict[str, list[float]] = {"gap": [], "in": [], "wait": [], "data": [], "out": []}
+    for pn in per_node:
+        for (prev, t0, t1), st in zip(pn["marks"], pn["stats"]):
+            if not all(k in st for k in ("t_ready", "t_data", "t_end")):
+                continue
+            parts["gap"].append(t0 - prev)
+            parts["in"].append(st["t_ready"] - t0)
+            parts["wait"].append(st["t_data"] - st["t_ready"])
+            parts["data"].append(st["t_end"] - st["t_data"])
+            parts["out"].append(t1 - st["t_end"])
+    out["phases"] = {k: statistics.median(v) for k, v in parts.items() if v}
+    return out
 
 
 def spans(marks_per_node: list[list[list[float]]]) -> list[float]:
@@ -96,13 +178,17 @@ def spans(marks_per_node: list[list[list[float]]]) -> list[float]:
             for i in range(len(marks_per_node[0]))]
 
 
-def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tuple[list[float], list[float], list[float], float]]:
+def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup, loop_calls, loop_warmup) -> dict[int, dict[str, Any]]:
+    """torch.distributed/Gloo on the same nodes: per size, the per-call ``times`` and ``spans``,
+    ``cpu`` per call summed over ranks, and the loop's ``loop_times`` (per call, the slowest rank's
+    time from its previous result), ``loop`` their median and ``loop_cpu`` per call summed over ranks."""
     port = 29900 + os.getpid() % 50
     procs = []
     for r in range(len(addresses)):
         cmd = [*cluster_prefixes[r], sys.executable, "-m", "birdnet.bench.gloo_worker", "--rank", str(r),
                "--world", str(len(addresses)), "--master", f"{addresses[0]}:{port}", "--sizes",
-               ",".join(map(str, sizes)), "--runs", str(runs), "--warmup", str(warmup)]
+               ",".join(map(str, sizes)), "--runs", str(runs), "--warmup", str(warmup),
+               "--loop-calls", str(loop_calls), "--loop-warmup", str(loop_warmup)]
         if cluster_prefixes[r]:
             cmd += ["--iface", "eth0"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -118,10 +204,16 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup) -> dict[int, tupl
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {n: ([max(o["times"][str(n)][i] for o in outs) for i in range(runs)],
-                spans([o["marks"][str(n)] for o in outs]),
-                [sum(o["cpu"][str(n)][i] for o in outs) for i in range(runs)],
-                max(o["loop"][str(n)] for o in outs)) for n in sizes}
+    res = {}
+    for n in sizes:
+        k = str(n)
+        loop_times = [max(o["loop"][k][i][1] - o["loop"][k][i][0] for o in outs) for i in range(loop_calls)]
+        res[n] = {"times": [max(o["times"][k][i] for o in outs) for i in range(runs)],
+                  "spans": spans([o["marks"][k] for o in outs]),
+                  "cpu": [sum(o["cpu"][k][i] for o in outs) for i in range(runs)],
+                  "loop_times": loop_times, "loop": statistics.median(loop_times),
+                  "loop_cpu": sum(o["loop_cpu"][k] for o in outs)}
+    return res
 
 
 def phases(marks_per_node: list[list[list[float]]], stats_per_node: list[list[dict[str, Any]]]) -> dict[str, Any]:
@@ -159,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codecs", default="none", help="comma-separated; parameters as name:key=value:key=value")
     p.add_argument("--runs", type=int, default=3, help="measured runs per figure (median), default 3")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--loop-calls", type=int, default=7,
+                   help="timed calls of the loop (back to back after one barrier; median), default 7")
+    p.add_argument("--loop-warmup", type=int, default=2, help="warm-up calls of the loop, default 2")
     p.add_argument("--netns", action="store_true", help="each daemon in its own network namespace (root)")
     p.add_argument("--rate", default=None, help="token-bucket rate of every link with --netns, e.g. 1gbit, 100mbit")
     p.add_argument("--tcp-cc", metavar="NAME", default=None,
@@ -181,10 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rate needs --netns")
     if a.tcp_cc and not a.netns:
         p.error("--tcp-cc needs --netns")
-    cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check}
+    if a.loop_calls < 1 or a.loop_warmup < 0 or a.runs < 1 or a.warmup < 0:
+        p.error("--runs and --loop-calls must be at least 1, the warm-ups at least 0")
+    cfg = {"sizes": sizes, "codecs": codecs, "runs": a.runs, "warmup": a.warmup, "check": not a.no_check,
+           "loop_calls": a.loop_calls, "loop_warmup": a.loop_warmup}
     nsc = None
     results: dict[str, Any] = {}
-    gloo: dict[int, tuple[list[float], list[float], list[float], float]] = {}
+    gloo: dict[int, dict[str, Any]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
     if a.no_dense_lane:
         extra.append("--no-dense-lane")
@@ -209,8 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 cl = LocalCluster(a.nodes, Path(tmp), extra=extra, **slow)
             total = len(sizes) * len(codecs)
             print(f"birdnet bench allreduce: {a.nodes} nodes, {'netns ' + (a.rate or 'unshaped') if a.netns else 'loopback'}, "
-                  f"{total} figures x {a.warmup}+{a.runs} calls", file=sys.stderr)
+                  f"{total} figures x ({a.warmup}+{a.runs} calls, 2 loops of {a.loop_warmup}+{a.loop_calls})",
+                  file=sys.stderr)
             with cl:
+                # each worker reads its own daemon's CPU from /proc (one PID namespace for all)
+                cfg["daemon_pids"] = [p.pid if p is not None else None for p in cl.procs]
                 w = cl.run_async(bench_worker, cfg, per_node=1)
                 spin = 0
                 while not w.ready():
@@ -219,7 +320,13 @@ def main(argv: list[str] | None = None) -> int:
                     mark = "|/-+"[spin % 4]
                     print(f"\r  running birdnet {mark} {time.monotonic() - t_start:6.0f} s", end="",
                           file=sys.stderr, flush=True)
-                per_node = w.get(timeout=10)
+                try:
+                    per_node = w.get(timeout=10)
+                except Exception:
+                    for i in range(a.nodes):  # the daemons' side of it, before their directory goes
+                        print(f"--- daemon {i}, last lines of its log:\n" + "\n".join(cl.log(i).splitlines()[-8:]),
+                              file=sys.stderr)
+                    raise
                 print("", file=sys.stderr)
             for key in per_node[0]:
                 times = [max(pn[key]["times"][i] for pn in per_node) for i in range(a.runs)]
@@ -237,9 +344,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "compress_seconds": float(statistics.median(s.get("compress_seconds", 0.0) for s in stats)),
                                 "round_seconds": float(statistics.median(s.get("seconds", 0.0) for s in stats)),
                                 "error": per_node[0][key]["error"],
-                                # the slowest node's back-to-back time per call (dense only)
-                                "loop": max(pn[key]["loop"] for pn in per_node)
-                                if all(pn[key].get("loop") is not None for pn in per_node) else None}
+                                "loops": {m: loop_figures([pn[key]["loops"][m] for pn in per_node])
+                                          for m in ("own", "buffer")},
+                                "loop_trace": [pn[key]["loops"]["own"] for pn in per_node]}
             if a.vs_gloo:
                 try:
                     import torch  # noqa: F401
@@ -248,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     print("  running torch.distributed/Gloo on the same links ...", file=sys.stderr)
                     addrs = nsc.addresses if nsc else ["127.0.0.1"] * a.nodes
-                    gloo = run_gloo(prefixes, addrs, sizes, a.runs, a.warmup)
+                    gloo = run_gloo(prefixes, addrs, sizes, a.runs, a.warmup, a.loop_calls, a.loop_warmup)
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)
             return 130
@@ -259,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         for name, params in codecs:
             r = results[f"{label(name, params)}|{n}"]
+            lo, lb = r["loops"]["own"], r["loops"]["buffer"]
             algbw = n * 4 / r["time"] / 1e9
             row = {"size_bytes": n * 4, "count": n, "codec": label(name, params), "time_s": r["time"],
                    "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (a.nodes - 1) / a.nodes,
@@ -267,23 +375,35 @@ def main(argv: list[str] | None = None) -> int:
                    "span_s": r["span"], "spans": r["spans"],
                    # all daemons' CPU time (every thread) in one round's data phase, summed over nodes
                    "daemon_cpu_s": r["cpu"], "phases_s": r["phases"],
-                   # nccl-tests' way: `runs` calls back to back after one barrier, the slowest node's
-                   # total / runs (dense only: a lossy codec's result fed back would change the work)
-                   "loop_s": r["loop"]}
+                   # the loop (module docstring): the process's own arrays (the headline) and
+                   # client.buffer arrays refilled inside the time
+                   "loop_s": lo["time"], "loop_times": lo["times"], "loop_mean_s": lo["mean"],
+                   "loop_phases_s": lo["phases"], "loop_vs_call": lo["time"] / r["time"],
+                   "loop_buffer_s": lb["time"], "loop_buffer_times": lb["times"],
+                   "loop_buffer_phases_s": lb["phases"],
+                   # CPU of one round of the loop, summed over nodes: every daemon thread, plus the
+                   # training process's hand-off (its copies in and out, the client's threads)
+                   "cpu_round_s": lo["cpu"], "cpu_round_daemon_s": lo["daemon_cpu"],
+                   "cpu_round_client_s": lo["client_cpu"], "cpu_round_buffer_s": lb["cpu"],
+                   "loop_trace": r["loop_trace"]}
             if n in gloo:
-                g = statistics.median(gloo[n][0])
-                row["gloo_time_s"] = g
-                row["gloo_times"] = gloo[n][0]  # every measured run, for the spread
-                row["vs_gloo"] = r["time"] / g
-                row["speedup_vs_gloo"] = g / r["time"]
-                row["gloo_span_s"] = statistics.median(gloo[n][1])
-                row["gloo_spans"] = gloo[n][1]
+                g = gloo[n]
+                row["gloo_time_s"] = statistics.median(g["times"])
+                row["gloo_times"] = g["times"]  # every measured run, for the spread
+                row["vs_gloo"] = r["time"] / row["gloo_time_s"]
+                row["speedup_vs_gloo"] = row["gloo_time_s"] / r["time"]
+                row["gloo_span_s"] = statistics.median(g["spans"])
+                row["gloo_spans"] = g["spans"]
                 row["span_vs_gloo"] = r["span"] / row["gloo_span_s"]
                 # all Gloo processes' CPU time (every thread) in one all_reduce call, summed over nodes
-                row["gloo_cpu_s"] = statistics.median(gloo[n][2])
-                row["gloo_loop_s"] = gloo[n][3]
-                if r["loop"] is not None:
-                    row["loop_vs_gloo"] = r["loop"] / gloo[n][3]
+                row["gloo_cpu_s"] = statistics.median(g["cpu"])
+                row["gloo_loop_s"] = g["loop"]
+                row["gloo_loop_times"] = g["loop_times"]
+                row["gloo_loop_cpu_s"] = g["loop_cpu"]
+                row["loop_vs_gloo"] = lo["time"] / g["loop"]
+                row["loop_speedup_vs_gloo"] = g["loop"] / lo["time"]
+                if lo["cpu"] is not None and g["loop_cpu"] > 0:
+                    row["cpu_vs_gloo"] = lo["cpu"] / g["loop_cpu"]
             rows.append(row)
     meta = {"nodes": a.nodes, "mode": "netns" if a.netns else "loopback", "rate": a.rate, "runs": a.runs,
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
@@ -294,18 +414,42 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
     else:
         print(f"# {meta['command']}\n# {a.nodes} nodes, {meta['mode']} {a.rate or ''}; {meta['machine']}, all nodes share it")
-        hdr = f"{'size(B)':>12} {'count':>10} {'codec':<28} {'time(s)':>9} {'algbw':>7} {'busbw':>7} {'wire B/node':>12} {'ratio':>7} {'error':>9}"
-        hdr += f" {'span(s)':>8} {'loop(s)':>8}"
+        print(f"# the loop: {a.loop_calls} calls back to back after {a.loop_warmup} warm-ups, median of the slowest "
+              "node's time per call; own = the process's own arrays, buffer = client.buffer refilled each call; "
+              "cpu = one round's CPU, all daemon threads + the processes' hand-off, summed over nodes")
+        lh = f"{'count':>10} {'codec':<28} {'loop(s)':>8} {'buffer(s)':>9} {'call(s)':>8} {'loop/call':>9} {'cpu ms':>7}"
         if gloo:
-            hdr += f" {'gloo(s)':>8} {'x gloo':>7} {'g.span':>8} {'g.loop':>8}"
+            lh += f" {'gloo(s)':>8} {'x gloo':>7} {'g.cpu ms':>8} {'cpu/g':>6}"
+        print(lh)
+        for r in rows:
+            line = (f"{r['count']:>10} {r['codec']:<28} {r['loop_s']:>8.4f} {r['loop_buffer_s']:>9.4f} "
+                    f"{r['time_s']:>8.4f} {r['loop_vs_call']:>8.2f}x "
+                    + (f"{r['cpu_round_s'] * 1e3:>7.1f}" if r["cpu_round_s"] is not None else f"{'-':>7}"))
+            if "gloo_loop_s" in r:
+                line += (f" {r['gloo_loop_s']:>8.4f} {r['loop_speedup_vs_gloo']:>6.2f}x {r['gloo_loop_cpu_s'] * 1e3:>8.1f} "
+                         + (f"{r['cpu_vs_gloo']:>5.2f}x" if "cpu_vs_gloo" in r else f"{'-':>6}"))
+            print(line)
+        print("# the loop's time per call, one node's medians (ms): previous result to the call, hand-off in, "
+              "wait for the data phase (agreement or lane), data phase, hand-off out")
+        print(f"{'count':>10} {'codec':<28} {'gap':>6} {'in':>6} {'wait':>6} {'data':>7} {'out':>6}")
+        for r in rows:
+            ph = r["loop_phases_s"]
+            print(f"{r['count']:>10} {r['codec']:<28} " + " ".join(
+                f"{ph.get(k, float('nan')) * 1e3:>{w}.1f}" for k, w in
+                (("gap", 6), ("in", 6), ("wait", 6), ("data", 7), ("out", 6))))
+        print("# per call (each after a barrier; nccl-tests' columns)")
+        hdr = f"{'size(B)':>12} {'count':>10} {'codec':<28} {'time(s)':>9} {'algbw':>7} {'busbw':>7} {'wire B/node':>12} {'ratio':>7} {'error':>9}"
+        hdr += f" {'span(s)':>8}"
+        if gloo:
+            hdr += f" {'gloo(s)':>8} {'x gloo':>7} {'g.span':>8}"
         print(hdr)
         for r in rows:
             line = (f"{r['size_bytes']:>12} {r['count']:>10} {r['codec']:<28} {r['time_s']:>9.4f} {r['algbw_GBps']:>7.3f} "
                     f"{r['busbw_GBps']:>7.3f} {r['wire_bytes_per_node']:>12} {r['ratio']:>7.1f} "
                     f"{(r['error'] if r['error'] is not None else float('nan')):>9.2e}")
-            line += f" {r['span_s']:>8.4f} " + (f"{r['loop_s']:>8.4f}" if r["loop_s"] is not None else f"{'-':>8}")
+            line += f" {r['span_s']:>8.4f}"
             if "gloo_time_s" in r:
-                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f} {r['gloo_loop_s']:>8.4f}"
+                line += f" {r['gloo_time_s']:>8.4f} {r['speedup_vs_gloo']:>6.2f}x {r['gloo_span_s']:>8.4f}"
             print(line)
         print("# where the time goes (ms after the last node's call; medians): hand-off in, agreement, "
               "data phase, hand-off out; one node's hand-offs in and out (medians over nodes and runs); "

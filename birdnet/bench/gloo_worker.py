@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", required=True)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--loop-calls", type=int, default=7)
+    p.add_argument("--loop-warmup", type=int, default=2)
     a = p.parse_args(argv)
     import os
     if a.iface:
@@ -26,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
                             timeout=__import__("datetime").timedelta(seconds=120))
-    out, spans, cpus, loops = {}, {}, {}, {}
+    out, spans, cpus, loops, loop_cpu = {}, {}, {}, {}, {}
     for n in [int(x) for x in a.sizes.split(",")]:
         t = torch.randn(n, generator=torch.Generator().manual_seed(a.rank))
         times, marks, cpu = [], [], []
@@ -43,14 +45,24 @@ def main(argv: list[str] | None = None) -> int:
         out[str(n)] = times
         spans[str(n)] = marks
         cpus[str(n)] = cpu
-        # as nccl-tests time: the calls back to back after one barrier, total / count
+        # as nccl-tests and a training loop: the calls back to back after one barrier; per call the
+        # time from the previous result, and the CPU of this process over the timed calls
         dist.barrier()
-        t0 = time.monotonic()
-        for _ in range(a.runs):
+        prev = time.monotonic()
+        ends = []
+        for i in range(a.loop_warmup + a.loop_calls):
+            if i == a.loop_warmup:
+                c0 = time.process_time()
             dist.all_reduce(t)
-        loops[str(n)] = (time.monotonic() - t0) / a.runs
+            t1 = time.monotonic()
+            if i >= a.loop_warmup:
+                ends.append([prev, t1])
+            prev = t1
+        loops[str(n)] = ends
+        loop_cpu[str(n)] = (time.process_time() - c0) / a.loop_calls
     dist.destroy_process_group()
-    print(json.dumps({"rank": a.rank, "times": out, "marks": spans, "cpu": cpus, "loop": loops}))
+    print(json.dumps({"rank": a.rank, "times": out, "marks": spans, "cpu": cpus, "loop": loops,
+                      "loop_cpu": loop_cpu}))
     return 0
 
 
