@@ -257,3 +257,24 @@ def test_a_job_restarted_at_once_finds_its_place_free(tmp_path):
                 cl.send_signal(0, signal.SIGCONT)
             assert BYE_TIMEOUT - 0.05 <= waited < BYE_TIMEOUT + 2.0
             assert os.getpid() in [x["pid"] for x in watcher.status()["jobs"]["watch"]["processes"]]
+
+
+@pytest.mark.timeout(180)
+def test_results_stay_in_shared_memory_while_the_caller_holds_them(tmp_path):
+    """allreduce hands back its result where the daemon wrote it (no copy out); a slot whose result
+    (or a view of it) is alive takes no other call, and past RESULT_SLOTS held results are copied.
+    Every held result keeps its exact value through later calls."""
+    n, kept = 1000, 11
+    with LocalCluster(2, tmp_path) as cl:
+        res = cl.run(workers.held_results, n, kept)
+    for r in res:
+        size, cap = r["size"], r["result_slots"]
+        assert kept > cap
+        for i, v in enumerate(r["views"]):
+            # the sum over ranks of (rank + 1 + 10 i)
+            assert np.all(v == size * (size + 1) / 2 + size * 10 * i), i
+        assert r["in_slot"] == [True] * cap + [False] * (kept - cap)
+        assert r["slots_after_held"] == cap + 1  # cap holding results, one copied out and free again
+        # a loop that drops each result at the next call: two slots take turns, none is added
+        assert r["slots_after_loop"] <= r["slots_after_held"] + 1
+        assert r["loop_value"] == size * (size + 1) / 2 + size * 10 * (kept + 5)

@@ -171,3 +171,31 @@ def steady_calls(sock, node, local, calls, n):
             except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
                 out.append((type(exc).__name__, str(exc), time.monotonic() - t))
     return out
+
+
+def held_results(sock, node, local, n, kept):
+    """Results of ``allreduce`` with the process's own arrays, ``kept`` of them held at once (each
+    through a view), then a loop that drops each result at the next call; the sums are exact, so
+    a result overwritten by a later call shows. Returns what the test checks."""
+    from birdnet.client import RESULT_SLOTS
+    with Client(sock) as c:
+        held, views, in_slot = [], [], []
+        for i in range(kept):
+            x = np.full(n, c.rank + 1 + 10 * i, np.float32)
+            r = c.allreduce(x, op="sum", name=f"held{i}", timeout=60)
+            held.append(r)
+            views.append(r[1:])  # a view alone must keep the slot too
+            in_slot.append(any(np.shares_memory(r, np.frombuffer(s.mmap, np.uint8)) for s in c._slots.values()))
+        del held[:2]  # only views left of the first two
+        slots_after_held = len(c._slots)
+        prev = None
+        for i in range(6):
+            x = np.full(n, c.rank + 1 + 10 * (kept + i), np.float32)
+            out = c.allreduce(x, op="sum", name="loop", timeout=60)
+            if prev is not None:
+                assert prev is not out
+            prev = out
+        loop_value = float(prev[0])
+        return {"size": c.size, "views": [v.copy() for v in views], "in_slot": in_slot,
+                "slots_after_held": slots_after_held, "slots_after_loop": len(c._slots),
+                "loop_value": loop_value, "result_slots": RESULT_SLOTS}
