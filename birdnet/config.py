@@ -71,8 +71,11 @@ class Settings:
 
     # local_size too: a process's global rank is node rank x local_size + local rank, so nodes
     # with different local sizes would hand out colliding ranks and a wrong job size
+    # heartbeat_interval and peer_timeout too: a node that pings less often than its neighbour's
+    # peer_timeout expects is declared lost while it is alive, and the two sides disagree on when a
+    # peer is lost (one fails a round the other still waits for)
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
-                    "nan_policy", "local_size")
+                    "nan_policy", "local_size", "heartbeat_interval", "peer_timeout")
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -90,6 +93,10 @@ class Settings:
                 f"({self.peer_timeout} s), or a live peer could be declared lost")
         if self.chunk_bytes < 4096:
             bad(f"chunk_bytes is {self.chunk_bytes}; use at least 4096")
+        if self.max_message_bytes < self.chunk_bytes:
+            bad(f"max_message_bytes ({self.max_message_bytes}) is below chunk_bytes ({self.chunk_bytes}): "
+                "every dense round's messages would be refused by the peers; raise max_message_bytes or "
+                "lower chunk_bytes")
         if self.nan_policy not in ("propagate", "reject"):
             bad(f"nan_policy is {self.nan_policy!r}; use 'propagate' or 'reject'")
         if self.dense_threshold < 0:

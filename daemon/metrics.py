@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -110,6 +111,46 @@ class RoundFigures:
                     "round_seconds_sum": self.round_seconds.sum, "round_seconds_count": self.round_seconds.count}
 
 
+#: seconds a scrape connection may take to send its request or read the answer (Handler.timeout)
+SCRAPE_TIMEOUT = 5.0
+#: scrapes served at once; further connections are closed at once (a scraper opens one or two)
+MAX_SCRAPES = 8
+
+
+def _address_family(host: str) -> int:
+    """AF_INET6 for an IPv6 --metrics-host (the standard library's server is AF_INET only)."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror:
+        return socket.AF_INET  # the bind then fails with the resolver's message
+
+
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a chosen address family and at most MAX_SCRAPES connections at once:
+    otherwise every idle connection holds a thread for SCRAPE_TIMEOUT, without bound."""
+
+    def __init__(self, family: int, address: tuple[str, int], handler: Any) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class MetricsServer:
     """Serves ``daemon``'s figures at ``http://host:port/metrics``.
 
@@ -149,11 +190,15 @@ class MetricsServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            #: a scraper that sends nothing, or reads nothing, holds a thread and a descriptor
+            #: until this socket timeout ends its connection
+            timeout = SCRAPE_TIMEOUT
+
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("metrics %s: " + fmt, self.client_address[0], *args)
 
         try:
-            server = ThreadingHTTPServer((self.host, self.port), Handler)
+            server = _Server(_address_family(self.host), (self.host, self.port), Handler)
         except OSError as exc:
             raise ConfigError(f"cannot serve metrics on {self.host}:{self.port}: {exc.strerror or exc}; "
                               "choose another --metrics-port (or --metrics-host)") from None

@@ -47,7 +47,7 @@ import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
-from birdnet.errors import PeerLostError, ProtocolError
+from birdnet.errors import ConfigError, PeerLostError, ProtocolError
 from birdnet.hosts import Peer
 
 log = logging.getLogger("birdnet.peers")
@@ -190,6 +190,10 @@ class PeerNet:
         self._ready: deque[dict] = deque()
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
+        #: identity -> (last accepted-looking ping, incarnation) of connections claiming the left
+        #: neighbour's rank, and why they are refused while two are alive (_duplicate_claim)
+        self._claims: dict[bytes, tuple[float, str]] = {}
+        self.duplicate: str | None = None
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         #: Every message to the right neighbour carries ``q``, one more than the last (pings too).
         #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
@@ -237,7 +241,7 @@ class PeerNet:
         host = _resolve(me.host)
         host = f"[{host}]" if ":" in host else host
         self.router.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
-        self.router.bind(f"tcp://{host}:{me.port}")
+        self._bind_router(f"tcp://{host}:{me.port}")
         self.dealer.connect(self.right.endpoint())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
@@ -249,6 +253,22 @@ class PeerNet:
         self.wake = wake
         if wake is not None:
             self.poller.register(wake, zmq.POLLIN)
+
+    def _bind_router(self, endpoint: str) -> None:
+        """Listen on this node's hosts-file address; a port that cannot be bound is a ConfigError
+        naming the address and the fix, not a ZMQError traceback."""
+        try:
+            self.router.bind(endpoint)
+        except zmq.ZMQError as exc:
+            me = self.peers[self.rank]
+            self.close()
+            if exc.errno == zmq.EADDRINUSE:
+                why = "another process listens there (another birdnetd?): stop it, or give this node another port"
+            else:
+                why = ("it is not an address of this machine: check the hosts file and --rank "
+                       f"(this node is rank {self.rank})")
+            raise ConfigError(f"cannot listen for peers on {me.address} (rank {self.rank} of the hosts file, "
+                              f"port {me.port}): {exc.strerror}; {why}") from None
 
     def close(self) -> None:
         for sock, mon in ((self.router, self.router_monitor), (self.dealer, self.dealer_monitor)):
@@ -322,6 +342,8 @@ class PeerNet:
         text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
         if self.refused_by_right and self.right.rank in lost:
             text += f" [{self.refused_by_right}]"
+        if self.duplicate and self.left.rank in lost:
+            text += f" [{self.duplicate}]"
         return text
 
     def peer_states(self) -> list[dict[str, Any]]:
@@ -333,14 +355,28 @@ class PeerNet:
             elif p.rank in lost:
                 state = "lost"
             elif p.rank in (self.left.rank, self.right.rank):
-                state = "connected"
+                state = "connected" if self._handshaken(p.rank) else "connecting"
             else:
                 state = "ok"
             out.append({"rank": p.rank, "address": p.address, "state": state})
         if self.refused_by_right:
             out[self.right.rank]["state"] = "refused"
             out[self.right.rank]["reason"] = self.refused_by_right
+        if self.duplicate:
+            out[self.left.rank]["state"] = "refused"
+            out[self.left.rank]["reason"] = self.duplicate
         return out
+
+    def _handshaken(self, rank: int) -> bool:
+        """Whether the neighbour ``rank`` passed a real handshake: the left one's ping was accepted, the
+        right one answered ours with a pong (before that a peer is "connecting", even within peer_timeout
+        of the start, when it is not counted lost yet)."""
+        ok = True
+        if rank == self.left.rank:
+            ok = self.left_identity is not None and self.left_seen > 0
+        if rank == self.right.rank:
+            ok = ok and self.right_seen > 0
+        return ok
 
     # -- sending ---------------------------------------------------------------------------------
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False):
@@ -594,6 +630,37 @@ class PeerNet:
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("dropped message %s (%d dropped so far)", why, self.dropped)
 
+    def _duplicate_claim(self, identity: bytes, rank: int, inc: Any) -> str | None:
+        """Why a ping that passed the checks is refused because two live daemons claim ``rank`` (a
+        --rank given twice, or one hosts-file line used by two machines), else None.
+
+        A restarted neighbour's new connection replaces the old one, which then falls silent. A
+        replaced connection that pings again means both daemons are alive: each would displace the
+        other at every heartbeat (every round failing as "restarted"). Instead both are refused,
+        naming the rank, until only one has pinged for peer_timeout."""
+        now = time.monotonic()
+        claims = self._claims
+        claims[identity] = (now, str(inc))
+        while len(claims) > 16:
+            claims.pop(next(iter(claims)))
+        live = {i: c for i, c in claims.items() if now - c[0] <= self.settings.peer_timeout}
+        if self.duplicate is None:
+            if (identity == self.left_identity or identity not in self._replaced or self.left_identity is None
+                    or self.left_identity not in live):
+                return None
+            self.duplicate = (f"two daemons claim rank {rank} ({self.left.address}): incarnations "
+                              f"{live[self.left_identity][1]} and {inc}; each node needs its own hosts-file line "
+                              "and --rank (a configuration error: stop one of them)")
+            log.error("%s", self.duplicate)
+            self.left_identity = None  # neither is accepted: their messages are held, then dropped
+            self.neighbour_restarts += 1
+            self.last_restart = self.duplicate
+        elif len(live) < 2:
+            log.info("only one daemon claims rank %d now", rank)
+            self.duplicate = None
+            return None
+        return self.duplicate
+
     def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
         try:
             self.router.send_multipart([identity, *wire.encode(header)], zmq.NOBLOCK)
@@ -628,6 +695,8 @@ class PeerNet:
         elif self.curve is not None and not (who or "").startswith(f"rank {expected} "):
             reason = (f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank "
                       f"{expected}")
+        if reason is None:
+            reason = self._duplicate_claim(identity, expected, h.get("inc"))
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})

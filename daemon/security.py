@@ -113,7 +113,20 @@ def read_allowed_keys(path: str, peers: Sequence[Any]) -> dict[int, bytes]:
     missing = [p.address for p in peers if p.rank not in keys]
     if missing:
         raise ConfigError(f"{path} has no key for {', '.join(missing)}; every ring node needs one")
+    _check_distinct(keys, peers, path)
     return keys
+
+
+def _check_distinct(keys: dict[int, bytes], peers: Sequence[Any], path: str) -> None:
+    """One key for two ranks would let either node pose as the other (the ZAP handler names a
+    connection by its key): each node needs its own `birdnet keygen` key pair."""
+    first: dict[bytes, int] = {}
+    for rank in sorted(keys):
+        other = first.setdefault(keys[rank], rank)
+        if other != rank:
+            raise ConfigError(f"{path} lists the same CURVE key for rank {other} ({peers[other].address}) and "
+                              f"rank {rank} ({peers[rank].address}); give every node its own key pair "
+                              "(birdnet keygen) and list each node's birdnet.pub")
 
 
 class Curve:

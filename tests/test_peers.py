@@ -63,11 +63,11 @@ def test_messages_queued_before_a_reconnected_neighbours_first_ping_are_delivere
     next ping; dropping it hung the round (test_daemon_restarted_while_clients_idle)."""
     net, settings, left = ring
     d = left(b"r1-new")
-    d.send_multipart(wire.encode({"t": "start", "k": "j:0", "n": 1}))
-    d.send_multipart(wire.encode({"t": "go", "k": "j:0"}))
+    d.send_multipart(wire.encode({"t": "start", "k": "j/0", "n": 1}))
+    d.send_multipart(wire.encode({"t": "go", "k": "j/0"}))
     assert collect(net, 0.3) == []  # not yet accepted: held, not delivered
     d.send_multipart(ping(settings, "new"))
-    d.send_multipart(wire.encode({"t": "data", "k": "j:0", "i": 7}))
+    d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": 7}))
     got = collect(net, 0.5)
     assert [h["t"] for h in got] == ["start", "go", "data"]
     assert got[0]["n"] == 1 and got[2]["i"] == 7
@@ -84,17 +84,17 @@ def test_held_messages_expire_and_an_earlier_incarnations_are_dropped(ring):
     new.send_multipart(ping(settings, "new"))
     collect(net, 0.3)
     assert net.left_identity == b"r1-new"
-    old.send_multipart(wire.encode({"t": "data", "k": "j:0"}))  # a late message of the old instance
+    old.send_multipart(wire.encode({"t": "data", "k": "j/0"}))  # a late message of the old instance
     assert collect(net, 0.3) == [] and net.dropped == 1
     # a connection that never pings: its messages are held at most peer_timeout, then dropped
     stranger = left(b"r1-stranger")
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j:1"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/1"}))
     collect(net, 0.2)
     assert net._held
     time.sleep(settings.peer_timeout + 0.1)
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j:2"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/2"}))
     collect(net, 0.2)
-    assert [m[2]["h"]["k"] for m in net._held[b"r1-stranger"]] == ["j:2"]
+    assert [m[2]["h"]["k"] for m in net._held[b"r1-stranger"]] == ["j/2"]
     assert net.dropped == 2
 
 
@@ -102,7 +102,7 @@ def test_held_messages_are_bounded(ring):
     net, settings, left = ring
     d = left(b"r1-flood")
     for i in range(HELD_MAX_MESSAGES + 10):
-        d.send_multipart(wire.encode({"t": "data", "k": "j:0", "i": i}))
+        d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": i}))
     collect(net, 0.5)
     assert sum(len(v) for v in net._held.values()) == HELD_MAX_MESSAGES
     assert net.dropped == 10

@@ -1,0 +1,112 @@
+"""Settings that must agree across the ring, and configurations that used to flap instead of failing:
+each fails with a configuration error naming the setting, the ranks and the fix."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from birdnet.client import Client
+from cluster import LocalCluster
+
+from birdnet.config import Settings
+from birdnet.errors import ConfigError
+from birdnet.hosts import parse_hosts
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_timeouts_are_cluster_wide():
+    """A node pinging every 2 s next to one whose peer_timeout is 3 s is declared lost while alive;
+    both settings are in the handshake fingerprint, so such nodes refuse each other by name."""
+    cw = Settings().cluster_wide()
+    assert cw["heartbeat_interval"] == 0.5 and cw["peer_timeout"] == 10.0
+    assert Settings(peer_timeout=20.0).fingerprint() != Settings().fingerprint()
+    assert Settings(heartbeat_interval=1.0).fingerprint() != Settings().fingerprint()
+    assert Settings(round_timeout=5.0).fingerprint() == Settings().fingerprint()  # local: may differ
+
+
+def test_max_message_bytes_below_chunk_bytes_is_refused():
+    with pytest.raises(ConfigError, match=r"max_message_bytes \(65536\) is below chunk_bytes \(1048576\)"):
+        Settings(max_message_bytes=65536)
+    Settings(max_message_bytes=1 << 20)  # equal is enough: a dense message is one chunk
+
+
+def test_one_curve_key_for_two_ranks_is_refused(tmp_path):
+    from birdnet.daemon.security import read_allowed_keys
+    zmq = pytest.importorskip("zmq")
+    a, b = (zmq.curve_keypair()[0].decode() for _ in range(2))
+    peers = parse_hosts("10.0.0.1:1\n10.0.0.2:1\n10.0.0.3:1\n")
+    f = tmp_path / "allowed"
+    f.write_text(f"{a}\n{b}\n{a}\n")
+    with pytest.raises(ConfigError, match=r"same CURVE key for rank 0 \(10.0.0.1:1\) and rank 2 \(10.0.0.3:1\)"):
+        read_allowed_keys(str(f), peers)
+    f.write_text(f"10.0.0.2:1 {b}\n10.0.0.1:1 {b}\n10.0.0.3:1 {a}\n")
+    with pytest.raises(ConfigError, match=r"rank 0 .* and rank 1 "):
+        read_allowed_keys(str(f), peers)
+
+
+def _peer_lines(log: str, rank: int) -> int:
+    return log.count(f"left neighbour rank {rank} (")
+
+
+def test_peer_is_connected_only_after_a_handshake(tmp_path):
+    """Within peer_timeout of the start a neighbour that never answered is not counted lost yet;
+    status called it "connected" all the same. It is "connecting" until a real handshake."""
+    cl = LocalCluster(2, tmp_path, peer_timeout=30.0, heartbeat_interval=0.25)
+    try:
+        cl.start_node(0)
+        with Client(cl.sockets[0], job="probe") as c:
+            assert [p["state"] for p in c.status()["peers"]] == ["self", "connecting"]
+        cl.start_node(1)
+        deadline = time.monotonic() + 10
+        while True:
+            with Client(cl.sockets[0], job="probe") as c:
+                states = [p["state"] for p in c.status()["peers"]]
+            if states == ["self", "connected"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert states == ["self", "connected"]
+    finally:
+        cl.stop()
+
+
+def test_two_daemons_with_one_rank_are_refused_by_name(tmp_path):
+    """A second daemon started with --rank 0 (here on 127.0.0.2, the same port) made node 1 take
+    whichever of the two pinged last as its left neighbour, at every heartbeat: every round failed
+    as "restarted". Now node 1 refuses both, naming the rank, until one of them stops."""
+    cl = LocalCluster(2, tmp_path)
+    cl.start()
+    other = None
+    try:
+        lines = cl.hosts.read_text().splitlines()[1:]
+        hosts2 = tmp_path / "hosts2"
+        hosts2.write_text(lines[0].replace("127.0.0.1", "127.0.0.2") + "\n" + lines[1] + "\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        with open(tmp_path / "other.log", "wb") as log:
+            other = subprocess.Popen([sys.executable, "-m", "birdnet.daemon.main", "--peers", str(hosts2), "--rank", "0",
+                                      "--socket", str(tmp_path / "other.sock"), "--peer-timeout", str(cl.peer_timeout),
+                                      "--heartbeat-interval", str(cl.heartbeat_interval)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+        start = len(cl.log(1))
+        time.sleep(3.0)
+        log1 = cl.log(1)[start:]
+        assert "two daemons claim rank 0" in log1, log1[-3000:]
+        assert _peer_lines(log1, 0) <= 2, log1[-3000:]  # no flapping
+        with Client(cl.sockets[1], job="probe") as c:
+            row = c.status()["peers"][0]
+        assert row["state"] == "refused" and "two daemons claim rank 0" in row["reason"], row
+        other.terminate()
+        other.wait(15)
+        other = None
+        import fault_workers
+        time.sleep(cl.peer_timeout + 1.0)
+        res = cl.run(fault_workers.try_round, 1000, 20.0)
+        assert [r[:2] for r in res] == [("ok", 3.0)] * 2, res
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait(5)
+        cl.stop()
