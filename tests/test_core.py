@@ -112,7 +112,7 @@ def test_settings_bad_file_and_key(tmp_path):
 
 def test_fingerprint_covers_cluster_wide_settings_only():
     assert Settings(codec="topk").fingerprint() != Settings().fingerprint()
-    assert Settings(peer_timeout=20.0).fingerprint() == Settings().fingerprint()
+    assert Settings(round_timeout=20.0).fingerprint() == Settings().fingerprint()  # timeouts: tests/test_peer_config.py
 
 
 # -- ring over the in-memory transport -------------------------------------------------------------
