@@ -83,10 +83,16 @@ class ShutdownError(BirdnetError):
     participants get this error; shared memory is unlinked."""
 
 
+class UnsupportedError(InputError, NotImplementedError):
+    """A call the birdnet path does not implement (a torch.distributed collective such as send/recv
+    or a subgroup on the ``birdnet`` backend); the message names what is supported. Reaction:
+    raised in the calling process before anything is sent; the daemons and other jobs are unaffected."""
+
+
 _BY_NAME = {cls.__name__: cls for cls in [
     BirdnetError, ConfigError, ProtocolError, VersionMismatchError, InputError, RoundMismatchError,
     CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, ProcessLostError, RoundTimeoutError,
-    AuthenticationError, ShutdownError,
+    AuthenticationError, ShutdownError, UnsupportedError,
 ]}
 
 

@@ -567,3 +567,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     # msgpack keeps int keys, but ``state`` keys must be ints and param_groups' ``params`` lists
     state["state"] = {int(k): v for k, v in state["state"].items()}
     optimizer.load_state_dict(state)
+
+
+# The torch.distributed backend "birdnet" and the DDP hook (birdnet.client.torch_dist), only where
+# torch.distributed exists: NVIDIA's Jetson wheels lack it, and there this module is the wrapper alone.
+if torch.distributed.is_available():
+    from birdnet.client.torch_dist import HookState, comm_hook, init_process_group
+    from birdnet.client.torch_dist import register as _register_backend
+
+    _register_backend()
+    __all__ += ["HookState", "comm_hook", "init_process_group"]
