@@ -1,4 +1,16 @@
-"""The hosts file: one ``host:port`` per line, in ring order; ``#`` comments and blank lines ignored."""
+"""The hosts file: one ``host:port`` per line, in ring order; ``#`` comments and blank lines ignored.
+
+``host`` is a name, an IPv4 address or an IPv6 address in brackets; a link-local IPv6 address
+names its interface after ``%`` (its scope id), inside the brackets::
+
+    10.0.0.11:29500
+    node2.example:29500          # a name: IPv4 or IPv6, whichever it resolves to first
+    [fd00:bd::3]:29500
+    [fe80::12%eth0]:29500        # link-local: the interface this node reaches it through
+
+The interface is this machine's: a ring of link-local addresses needs every node to use the same
+interface name (or each node its own hosts file, with the same entries in the same order and its
+own interface names)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +29,14 @@ class Peer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port`` as in the hosts file (an IPv6 host in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
 
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        """The ZeroMQ endpoint to connect to (``tcp://[fe80::12%eth0]:29500`` keeps the scope id;
+        the socket needs ZMQ_IPV6 for any IPv6 address or name that resolves to one)."""
+        return f"tcp://{self.address}"
 
 
 def parse_hosts(text: str, source: str = "<hosts>") -> list[Peer]:
@@ -33,10 +48,16 @@ def parse_hosts(text: str, source: str = "<hosts>") -> list[Peer]:
         if not line:
             continue
         where = f"{source}:{lineno}"
-        if line.startswith("["):  # [v6addr]:port
+        if line.startswith("["):  # [v6addr]:port or [v6addr%iface]:port
             host, sep, port_s = line[1:].partition("]:")
+            if sep and not _is_ipv6(host):
+                raise ConfigError(f"{where}: {host!r} in brackets is not an IPv6 address "
+                                  "(e.g. [fd00::1]:29500, or [fe80::12%eth0]:29500 for a link-local one)")
         else:
-            host, sep, port_s = line.rpartition(":")
+            host, sep, port_s = line.rpartition(":")  # an IPv6 address without brackets: the last ':'
+            if ":" in host and not _is_ipv6(host):
+                raise ConfigError(f"{where}: {host!r} is not an IPv6 address; write IPv6 addresses in "
+                                  "brackets, [fd00::1]:29500")
         if not sep or not host or " " in line:
             raise ConfigError(f"{where}: {raw.strip()!r} is not 'host:port' (one entry per line)")
         try:
@@ -53,6 +74,15 @@ def parse_hosts(text: str, source: str = "<hosts>") -> list[Peer]:
     if not peers:
         raise ConfigError(f"{source}: no 'host:port' entries; list every node of the ring, one per line")
     return peers
+
+
+def _is_ipv6(host: str) -> bool:
+    addr, _, scope = host.partition("%")
+    try:
+        socket.inet_pton(socket.AF_INET6, addr)
+    except OSError:
+        return False
+    return "%" not in host or bool(scope)
 
 
 def load_hosts(path: str | Path) -> list[Peer]:

@@ -47,6 +47,7 @@ from birdnet.daemon.peers import (
     frames_nbytes,
     lost_between,
     lost_text,
+    peer_socket,
     reconnect_ivl_max,
     send_frames,
 )
@@ -84,12 +85,7 @@ class ElasticPeerNet(PeerNet):
         for p in peers:
             if p.rank in self.dealers or p.rank == rank:
                 continue
-            d = ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
-            d.setsockopt(zmq.SNDHWM, 0)
-            d.setsockopt(zmq.RCVHWM, 0)
-            d.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            d = peer_socket(ctx, zmq.DEALER, settings)
             if curve is not None:
                 curve.configure_client(d, p)
             d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())

@@ -143,7 +143,25 @@ def class_of(abort: dict[str, Any]) -> str | None:
     return c if isinstance(c, str) and c.isidentifier() and c.endswith("Error") else None
 
 
+def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
+    """A ROUTER or DEALER of the peer port with the options every one needs. ZMQ_IPV6 always: without
+    it a DEALER cannot connect to an IPv6 address or to a name that resolves to one (IPv4 still works
+    with it on); only the ROUTER had it, so a ring of IPv6 addresses never formed."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.IPV6, 1)
+    s.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    return s
+
+
 def _resolve(host: str) -> str:
+    """The address to bind for hosts-file ``host``: an IPv6 literal as it is (the resolver drops
+    a link-local address's ``%interface``), a name as it resolves first."""
+    if ":" in host:
+        return host
     try:
         return pysocket.getaddrinfo(host, None, type=pysocket.SOCK_STREAM)[0][4][0]
     except pysocket.gaierror:
@@ -215,14 +233,8 @@ class PeerNet:
         self.reading: str | None = None
         #: called with a ``lane`` message as it arrives (the ring worker closes its lane, passes it on)
         self.on_lane: Any = None
-        self.router = ctx.socket(zmq.ROUTER)
-        self.dealer = ctx.socket(zmq.DEALER)
-        for s in (self.router, self.dealer):
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self.router = peer_socket(ctx, zmq.ROUTER, settings)
+        self.dealer = peer_socket(ctx, zmq.DEALER, settings)
         self.curve = curve
         if curve is not None:
             curve.configure_server(self.router)
@@ -240,7 +252,6 @@ class PeerNet:
         me = peers[rank]
         host = _resolve(me.host)
         host = f"[{host}]" if ":" in host else host
-        self.router.setsockopt(zmq.IPV6, 1 if ":" in host else 0)
         self._bind_router(f"tcp://{host}:{me.port}")
         self.dealer.connect(self.right.endpoint())
         self.poller = zmq.Poller()

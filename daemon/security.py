@@ -97,6 +97,8 @@ def read_allowed_keys(path: str, peers: Sequence[Any]) -> dict[int, bytes]:
         for lineno, line in lines:
             addr, key = line.split()
             rank = by_address.get(addr.lower())
+            if rank is None and not addr.startswith("["):  # an IPv6 address without brackets
+                rank = by_address.get(f"[{addr.rpartition(':')[0]}]:{addr.rpartition(':')[2]}".lower())
             if rank is None:
                 raise ConfigError(f"{path}:{lineno}: {addr} is not an entry of the hosts file "
                                   f"({', '.join(p.address for p in peers)})")

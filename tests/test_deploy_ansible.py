@@ -283,7 +283,7 @@ def test_hosts_file_in_rank_order(deployment):
          "print(*[p.address for p in load_hosts(sys.argv[1])], sep='\\n')", str(d.config_dir / "hosts.txt")],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout.split()
-    assert out == [f"127.0.0.1:{d.port}", "10.0.0.3:5555", "fd00::1:5600"]
+    assert out == [f"127.0.0.1:{d.port}", "10.0.0.3:5555", "[fd00::1]:5600"]
 
 
 @pytest.mark.slow

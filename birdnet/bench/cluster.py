@@ -45,7 +45,8 @@ class LocalCluster:
         ports = free_ports(n) if addresses is None else [29600 + i for i in range(n)]
         addresses = addresses or ["127.0.0.1"] * n
         self.hosts = self.tmp / "hosts.txt"
-        self.hosts.write_text("# test ring\n" + "".join(f"{a}:{p}\n" for a, p in zip(addresses, ports)))
+        self.hosts.write_text("# test ring\n" + "".join(f"[{a}]:{p}\n" if ":" in a else f"{a}:{p}\n"
+                                                                 for a, p in zip(addresses, ports)))
         self.sockets = [str(self.tmp / f"node{i}.sock") for i in range(n)]
         self.prefixes = prefixes or [[] for _ in range(n)]
         self.per_node_extra = per_node_extra or [[] for _ in range(n)]

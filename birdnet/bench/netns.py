@@ -53,11 +53,18 @@ def cleanup_stale() -> None:
             pid = name[len(PREFIX):].split("-", 1)[0]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 subprocess.run(["ip", "netns", "del", name], capture_output=True)
+                shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 class NetnsCluster:
     """``n`` namespaces ``bn<pid>-<i>`` with addresses ``10.213.<k>.<i+1>``; ``rate`` like "1gbit";
-    ``tcp_cc`` the TCP congestion control of every namespace (e.g. "cubic"; None: the machine's)."""
+    ``tcp_cc`` the TCP congestion control of every namespace (e.g. "cubic"; None: the machine's).
+
+    Each node's ``eth0`` also has IPv6 addresses: ``fd00:bd:<k>::<i+1>`` (``ipv6``, a unique local
+    address) and ``fe80::bd:<i+1>`` (``link_local``, reached as ``fe80::bd:<i+1>%eth0``), both
+    without duplicate address detection so they are usable at once; and ``names``-file entries
+    ``node<i>`` resolving to the ULA inside the namespaces (``ip netns exec`` bind-mounts
+    /etc/netns/NS/hosts over /etc/hosts), removed on teardown."""
 
     def __init__(self, n: int, rate: str | None = None, *, subnet: int | None = None,
                  tcp_cc: str | None = None) -> None:
@@ -67,6 +74,9 @@ class NetnsCluster:
         self.hub = f"{self.tag}-hub"
         self.names = [f"{self.tag}-{i}" for i in range(n)]
         self.addresses = [f"10.213.{self.subnet}.{i + 1}" for i in range(n)]
+        self.ipv6 = [f"fd00:bd:{self.subnet:x}::{i + 1:x}" for i in range(n)]
+        self.link_local = [f"fe80::bd:{i + 1:x}" for i in range(n)]
+        self.host_names = [f"node{i}" for i in range(n)]
         self.created: list[str] = []
 
     def __enter__(self) -> "NetnsCluster":
@@ -96,12 +106,22 @@ class NetnsCluster:
             _run("ip", "-n", self.hub, "link", "set", f"p{i}", "master", "br0")
             _run("ip", "-n", self.hub, "link", "set", f"p{i}", "up")
             _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            self._add_ipv6(i, ns)
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             if self.tcp_cc:
                 self.set_tcp_cc(ns, self.tcp_cc)
             if self.rate:
                 self.shape(i, self.rate)
+
+    def _add_ipv6(self, i: int, ns: str) -> None:
+        _run("ip", "-n", ns, "addr", "add", f"{self.ipv6[i]}/64", "dev", "eth0", "nodad")
+        _run("ip", "-n", ns, "addr", "add", f"{self.link_local[i]}/64", "dev", "eth0", "nodad")
+        etc = f"/etc/netns/{ns}"
+        os.makedirs(etc, exist_ok=True)
+        with open(f"{etc}/hosts", "w") as f:
+            f.write("127.0.0.1 localhost\n::1 localhost\n"
+                    + "".join(f"{a} {name}\n" for a, name in zip(self.ipv6, self.host_names)))
 
     @staticmethod
     def set_tcp_cc(ns: str, name: str) -> None:
@@ -140,4 +160,5 @@ class NetnsCluster:
     def teardown(self) -> None:
         for ns in reversed(self.created):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         self.created.clear()
