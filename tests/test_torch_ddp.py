@@ -150,6 +150,28 @@ def worker(sock, node, local, store):
     out["birdnet_hook_names"] = len(state._names)
     torch_dist.destroy()
 
+    # torch's own init_process_group with the job from BIRDNET_JOB, the daemon from BIRDNET_SOCKET
+    os.environ["BIRDNET_JOB"], os.environ["BIRDNET_SOCKET"] = "ddp-env", sock
+    try:
+        dist.init_process_group("birdnet", rank=1 - rank, world_size=world, store=dist.HashStore())
+        out["wrong_rank"] = None
+    except InputError as exc:
+        out["wrong_rank"] = str(exc)
+    dist.init_process_group("birdnet", rank=rank, world_size=world, store=dist.HashStore())
+    t = torch.tensor([2.0 + rank])
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["env_avg"] = (dist.distributed_c10d._get_default_group().client.job, t.tolist())
+    try:
+        out["subgroup"] = repr(dist.new_group([0]))  # non-members do not reach the backend
+    except Exception as exc:  # noqa: BLE001
+        out["subgroup"] = (type(exc).__name__, str(exc))
+    whole = dist.new_group(list(range(world)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=whole)
+    out["whole_group"] = t.tolist()
+    torch_dist.destroy()
+    del os.environ["BIRDNET_JOB"], os.environ["BIRDNET_SOCKET"]
+
     dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
     out["gloo_dense"] = train(dist, rank, world)
     dense_state = bnt.HookState(job="ddp-hook", socket=sock, codec="none")
@@ -182,6 +204,16 @@ def test_init_takes_rank_from_daemon_and_checks_launcher(results):
         assert r["world"] == 2 and r["backend"] == "birdnet"
         assert r["pg_rank"] == (r["rank"], 2, r["rank"])
         assert "WORLD_SIZE=3 (birdnetd: 2)" in r["launcher"] and "--nnodes 2" in r["launcher"]
+
+
+@pytest.mark.timeout(200)
+def test_torch_init_process_group_with_job_from_environment(results):
+    for r in results:
+        assert "asked for rank" in r["wrong_rank"] and f"numbers this process rank {r['rank']}" in r["wrong_rank"]
+        assert r["env_avg"] == ("ddp-env", [2.5])
+        assert r["whole_group"] == [2.0]  # a new group of every process shares the connection
+    kind, msg = results[0]["subgroup"]
+    assert kind == "UnsupportedError" and "subgroup of 1 of the job's 2 processes" in msg
 
 
 @pytest.mark.timeout(200)
