@@ -38,14 +38,13 @@ def make_model():
 
 def train(sock: str, node: int, local: int, cfg: dict) -> dict:
     """One training process: DDP on its shard of every batch."""
+    import birdnet.client.torch as bnt
     import numpy as np
     import torch
     import torch.distributed as dist
+    from birdnet.client import torch_dist
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
-
-    import birdnet.client.torch as bnt
-    from birdnet.client import torch_dist
 
     torch.set_num_threads(1)
     x, y = load_digits(return_X_y=True)
