@@ -59,10 +59,20 @@ def _default_socket() -> str:
 class _Slot:
     """A shared-memory segment created by the daemon for this client, mapped here."""
 
-    def __init__(self, slot: int, name: str, nbytes: int) -> None:
+    def __init__(self, slot: int, name: str, nbytes: int, path: str | None = None, inode: int | None = None) -> None:
         self.slot, self.name, self.nbytes = slot, name, nbytes
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        #: a sealed memfd of the daemon (``/proc/<pid>/fd/<n>``), else the named file under /dev/shm
+        self.path = path or os.path.join("/dev/shm", name)
         try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            raise DaemonUnavailableError(f"cannot open the shared memory birdnetd made for this process "
+                                         f"({self.path}): {exc}; a process in another pid namespace or of "
+                                         "another user needs birdnetd --shm-group") from None
+        try:
+            st = os.fstat(fd)
+            if (inode is not None and st.st_ino != inode) or st.st_size < nbytes:
+                raise DaemonUnavailableError(f"{self.path} is not the segment birdnetd made for this process")
             self.mmap = mmap.mmap(fd, max(nbytes, 1))
         finally:
             os.close(fd)
@@ -422,7 +432,7 @@ class Client:
         if slot_id in self._slots:
             self._slots[slot_id].close()
         reply = self._request({"t": "alloc", "slot": slot_id, "nbytes": int(nbytes)})
-        s = _Slot(slot_id, reply["name"], reply["nbytes"])
+        s = _Slot(slot_id, reply["name"], reply["nbytes"], reply.get("path"), reply.get("inode"))
         self._slots[slot_id] = s
         s.busy = True
         return s

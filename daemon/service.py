@@ -51,7 +51,7 @@ from birdnet.errors import (
 )
 from birdnet.hosts import Peer, find_own_rank, load_hosts
 from birdnet.osutil import pid_alive, unix_socket_accepts
-from birdnet.shm import Segment, new_name, remove_stale, segment_prefix
+from birdnet.shm import Segment, new_name, remove_stale, sealing_available, segment_prefix
 
 log = logging.getLogger("birdnet.daemon")
 
@@ -170,6 +170,10 @@ class Session:
     #: (a round's key twice in the ring worker's order killed the worker)
     used_seqs: set[int] = dataclasses.field(default_factory=set)
     started: float = dataclasses.field(default_factory=time.monotonic)
+    uid: int | None = None  #: the process's user, from the kernel (None: not known)
+    #: the sealed segment of the last alloc while the daemon still holds its descriptor (at most
+    #: one per session: the process opens it before it sends anything else)
+    unmapped: Segment | None = None
 
 
 @dataclasses.dataclass
@@ -211,6 +215,7 @@ class Daemon:
         from birdnet.daemon.metrics import RoundFigures
         self.figures = RoundFigures()
         self.curve = None
+        self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
 
     # -- start-up ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -372,7 +377,7 @@ class Daemon:
 
     def _wake(self) -> None:
         with self._wake_lock:
-            self.wake_tx.send(b"", zmq.NOBLOCK)
+            _nudge(self.wake_tx)
 
     # -- client messages --------------------------------------------------------------------------
     def reply(self, identity: bytes, header: dict[str, Any]) -> None:
@@ -391,7 +396,8 @@ class Daemon:
             log.info("client request refused: %s", exc)
             self.reply(identity, {"t": "error", "call": None, **to_wire(exc)})
             return
-        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"))
+        creds = peer_credentials(frames[1]) if header.get("t") == "hello" else None
+        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds)
 
     def handle_bell(self, identity: bytes) -> None:
         """Calls a process wrote into its submit FIFO (birdnet.door.Bell); errors go back over the
@@ -410,14 +416,24 @@ class Daemon:
             log.warning("%s", err)
             self.reply(identity, {"t": "error", "call": None, **to_wire(err)})
 
-    def dispatch(self, identity: bytes, header: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    def dispatch(self, identity: bytes, header: dict[str, Any], allowed: tuple[str, ...],
+                 creds: tuple[int, int, int] | None = None) -> None:
         try:
             t = header.get("t")
             handler = getattr(self, f"handle_{t}", None) if t in allowed else None
             if handler is None:
                 raise ProtocolError(f"unknown request {t!r}")
+            s = self.sessions.get(identity)
+            if s is not None and s.unmapped is not None:
+                # the process sends nothing between an alloc's reply and mapping the segment: it
+                # has it open now, and the daemon's descriptor of it can go
+                s.unmapped.release_fd()
+                s.unmapped = None
             check_request(header)
-            handler(identity, header)
+            if t == "hello":
+                self.handle_hello(identity, header, creds)
+            else:
+                handler(identity, header)
         except BirdnetError as exc:
             log.info("client request refused: %s", exc)
             self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(exc)})
@@ -426,7 +442,7 @@ class Daemon:
             err = InputError(f"request failed inside birdnetd: {exc!r}")
             self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(err)})
 
-    def handle_hello(self, identity: bytes, h: dict[str, Any]) -> None:
+    def handle_hello(self, identity: bytes, h: dict[str, Any], creds: tuple[int, int, int] | None = None) -> None:
         if h.get("proto") != PROTOCOL_VERSION:
             from birdnet.errors import VersionMismatchError
             raise VersionMismatchError(f"client speaks protocol {h.get('proto')!r}, birdnetd {__version__} speaks "
@@ -437,6 +453,17 @@ class Daemon:
             raise InputError("job name must be 1..200 characters")
         if pid > MAX_PID:  # check_request bounds it; os.kill and the reaper need a C int
             raise InputError(f"hello: field 'pid' is {pid}, outside 1..{MAX_PID}")
+        uid = None
+        if creds is not None:
+            # The kernel's word (SO_PEERCRED of the connection) replaces the hello's: a process
+            # can then neither end another process's session ("reconnected" below) nor have the
+            # reaper watch a pid that is not its own. They differ legitimately only for a
+            # process in another pid namespace (a container), whose own pid means nothing here.
+            uid, _gid, kernel_pid = creds
+            if kernel_pid != pid:
+                log.info("hello of job %r says pid %d, the kernel says pid %d (uid %d): taking the kernel's",
+                         job, pid, kernel_pid, uid)
+            pid = kernel_pid
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
         same = [x for x in self.sessions.values() if x.job == job and x.pid == pid]
@@ -465,7 +492,7 @@ class Daemon:
         idx = free[0]
         if self.worker is not None:
             self.worker.departed.pop(job, None)  # the job is whole again on this node
-        s = Session(identity, pid, job, idx)
+        s = Session(identity, pid, job, idx, uid=uid)
         if h.get("door") is True:
             mode = 0o660 if self.gid is not None else 0o600
             try:
@@ -512,10 +539,19 @@ class Daemon:
         if old is not None:
             old.unlink()
             old.close()
-        seg = Segment(new_name(self.shm_prefix), nbytes, create=True,
-                      mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
+        if self.sealed and s.uid is not None and s.uid in (os.getuid(), 0):
+            # a memfd the process cannot shrink, grow or unlink (birdnet.shm.Segment.sealed); it
+            # opens it through /proc, which the kernel allows its own user and root
+            seg = Segment.sealed(nbytes)
+            s.unmapped = seg
+        else:  # a process of another user (--shm-group), or no peer credentials: a named file
+            seg = Segment(new_name(self.shm_prefix), nbytes, create=True,
+                          mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
         s.segments[slot] = seg
-        self.reply(identity, {"t": "shm", "call": h.get("call"), "slot": slot, "name": seg.name, "nbytes": nbytes})
+        reply = {"t": "shm", "call": h.get("call"), "slot": slot, "name": seg.name, "nbytes": nbytes}
+        if seg.fd is not None:
+            reply["path"], reply["inode"] = seg.path, seg.inode
+        self.reply(identity, reply)
 
     def handle_submit(self, identity: bytes, h: dict[str, Any]) -> None:
         s = self._session(identity)
@@ -616,7 +652,9 @@ class Daemon:
         assert self.worker is not None
         self.worker.submit(rnd)
         if self.net is not None:
-            self.ring_wake_tx.send(b"", zmq.NOBLOCK)
+            # after the round went to the worker nothing may fail this call: an error reply now
+            # would free a slot the round still writes (zmq.Again once 1000 wake-ups are queued)
+            _nudge(self.ring_wake_tx)
 
     def _round_finished(self, rnd: LocalRound) -> None:
         """Called on the ring worker thread: a result goes straight to the processes that have a
@@ -771,6 +809,30 @@ class Daemon:
         self.ctx.term()
         log.info("stopped")
         return 0
+
+
+def peer_credentials(frame: Any) -> tuple[int, int, int] | None:
+    """(uid, gid, pid) of the process at the other end of a client connection, as the kernel
+    reports it (SO_PEERCRED): libzmq puts them into an IPC message's "Peer-Address" property as
+    ``...:uid:gid:pid``. None where that is not available (no SO_PEERCRED, an old libzmq)."""
+    try:
+        addr = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+    parts = addr.rsplit(":", 3) if isinstance(addr, str) else []
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return None
+    uid, gid, pid = (int(p) for p in parts[1:])
+    return (uid, gid, pid) if 0 < pid <= MAX_PID else None
+
+
+def _nudge(sock: zmq.Socket) -> None:
+    """Wake the thread reading ``sock`` (an inproc PUSH). A full queue (zmq.Again) means wake-ups
+    are already waiting there, which is all a wake-up is for: nothing is lost."""
+    try:
+        sock.send(b"", zmq.NOBLOCK)
+    except zmq.Again:
+        pass
 
 
 def _call_of(header: Any) -> Any:

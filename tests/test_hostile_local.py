@@ -319,3 +319,134 @@ def test_submit_fifo_random_bytes_and_maps(node):
     os.close(door)
     r.close()
     node.healthy()
+
+
+# -- 8: wake-ups that do not fit the queue --------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_wake_up_queue_full_is_not_an_error(tmp_path):
+    """The ring worker wakes the main loop with an inproc message per finished round; while the loop
+    is busy (here: not running at all) 1000 of them fill the queue and the next send raised zmq.Again
+    on the worker thread (the round's callers got a crash error for a round whose slot it still
+    had). Real Daemon, real sockets, the main loop not started."""
+    from birdnet.daemon.service import Daemon
+
+    from birdnet.config import Settings
+    d = Daemon(Settings(socket=str(tmp_path / "wake.sock")))
+    d.setup()
+    try:
+        for _ in range(5000):
+            d._wake()
+        assert d.worker.is_alive()
+    finally:
+        d.shutdown()
+
+
+# -- 2: shared memory a process cannot turn into a daemon crash -------------------------------------------
+def _segment_fd(reply: dict) -> int:
+    """The process's own descriptor of the segment an alloc gave it (as birdnet.client opens it)."""
+    path = reply.get("path") or os.path.join("/dev/shm", reply["name"])
+    return os.open(path, os.O_RDWR)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("attack", ["shrink", "grow", "unlink"])
+def test_segment_shrunk_grown_or_unlinked_by_its_process(node, attack):
+    """Truncating the segment to 0 bytes and submitting it killed the daemon with SIGBUS (a size
+    check before the round would be racy: the process can truncate after it). Segments are sealed
+    memfds now: the kernel refuses the resize, there is no name to unlink, and the round reads
+    what the process wrote."""
+    r = node.raw()
+    assert r.hello(job=f"seg-{attack}")["t"] == "welcome"
+    n = 1 << 20
+    reply = r.ask({"t": "alloc", "slot": 0, "nbytes": 4 * n, "call": 1})
+    fd = _segment_fd(reply)
+    import mmap
+    m = mmap.mmap(fd, 4 * n)
+    np.frombuffer(m, np.float32)[:] = 2.5
+    if attack == "unlink":
+        if reply["name"]:
+            os.unlink(os.path.join("/dev/shm", reply["name"]))
+        with pytest.raises(OSError):
+            os.unlink(reply["path"])
+    else:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0 if attack == "shrink" else 8 * n)
+    os.close(fd)
+    sub = {"t": "submit", "call": 2, "seq": 0, "kind": "allreduce", "name": "w", "shape": [n],
+           "dtype": "float32", "op": "mean", "slot": 0}
+    done = r.ask(sub, timeout=20)
+    assert done["t"] == "done", done
+    assert np.all(np.frombuffer(m, np.float32) == 2.5)
+    m.close()
+    r.ask({"t": "bye", "call": 3})
+    r.close()
+    node.healthy()
+
+
+@pytest.mark.timeout(60)
+def test_client_buffer_truncated_by_its_own_process(node):
+    """The issue's case through birdnet.client: client.buffer(), truncate it, submit it."""
+    with Client(node.sock, job="buftrunc") as c:
+        buf = c.buffer((1 << 16,), np.float32)
+        buf[:] = 1.0
+        slot = next(iter(c._owned.values()))
+        fd = os.open(slot.path, os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+        out = c.allreduce(buf, name="b", timeout=20)
+        assert out is buf and np.all(buf == 1.0)
+    node.healthy()
+
+
+@pytest.mark.timeout(60)
+def test_segments_hold_no_daemon_descriptors(node):
+    """Each alloc's memfd is open in the daemon only until the process's next message: many allocs
+    leave the daemon's descriptor count where it was."""
+    r = node.raw()
+    assert r.hello(job="fdcount")["t"] == "welcome"
+    before = _fds(node.pid)
+    for i in range(200):
+        assert r.ask({"t": "alloc", "slot": i % 256, "nbytes": 4096, "call": i})["t"] == "shm"
+    assert _fds(node.pid) <= before + 1
+    r.ask({"t": "bye", "call": 999})
+    r.close()
+    node.healthy()
+
+
+# -- 9: the hello's pid is the kernel's ---------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_hello_pid_is_checked_by_the_kernel(node, tmp_path):
+    """A hello claiming another process's pid could end that process's session ("reconnected")
+    or have the reaper watch pid 1. The session's pid is the one the kernel reports for the
+    connection (SO_PEERCRED, through ZeroMQ's Peer-Address property)."""
+    import subprocess
+    import sys
+    flag = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, pathlib\n"
+        "from birdnet.client import Client\n"
+        f"c = Client({node.sock!r}, job='victim')\n"
+        f"pathlib.Path({str(flag)!r}).write_text('x')\n"
+        "sys.stdin.read()\n"
+        "c.close()\n")], stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not flag.exists():
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        r = node.raw()
+        reply = r.ask({"t": "hello", "proto": PROTOCOL_VERSION, "job": "victim", "pid": child.pid})
+        assert reply["t"] == "error" and "already has 1 process" in reply["message"], reply
+        st = r.ask({"t": "hello", "proto": PROTOCOL_VERSION, "job": "liar", "pid": 1})
+        assert st["t"] == "welcome"
+        jobs = r.ask({"t": "status", "call": 1})["status"]["jobs"]
+        assert [p["pid"] for p in jobs["victim"]["processes"]] == [child.pid]
+        assert [p["pid"] for p in jobs["liar"]["processes"]] == [os.getpid()]
+        r.ask({"t": "bye", "call": 2})
+        r.close()
+    finally:
+        child.communicate(b"", timeout=20)
+    node.healthy()
