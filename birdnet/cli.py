@@ -28,11 +28,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     print("jobs:" if jobs else "jobs: none")
     for name, j in jobs.items():
         pids = ", ".join(f"local rank {p['local_rank']} pid {p['pid']}" for p in j["processes"])
-        print(f"  {name}: {pids}")
+        state = st.get("states", {}).get(name)
+        print(f"  {name}: {pids}" + (f"; codec state {state['tensors']} tensor(s), {state['bytes']} bytes" if state else ""))
     print(f"rounds done {st['rounds_done']}, failed {st['rounds_failed']}, last round {st['last_round_seconds']:.4f} s; "
           f"start/go agreements {st.get('round_agreements', 0)}, in the dense lane {st.get('lane_rounds', 0)} "
           f"(given up {st.get('lane_rounds_given_up', 0)})")
-    print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes")
+    print(f"bytes sent {st['bytes_sent']}, received {st['bytes_received']}, codec state {st['state_bytes']} bytes"
+          + (f" ({st['states_evicted']} state(s) dropped under state_limit_bytes)" if st.get("states_evicted") else ""))
     if st.get("messages_lost"):  # on TCP connections that broke and reconnected (docs/reliability.md)
         if "elastic" in st:
             print(f"messages lost from peers: {st['messages_lost']} (a TCP connection broke and reconnected; "

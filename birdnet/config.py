@@ -73,9 +73,11 @@ class Settings:
     # with different local sizes would hand out colliding ranks and a wrong job size
     # heartbeat_interval and peer_timeout too: a node that pings less often than its neighbour's
     # peer_timeout expects is declared lost while it is alive, and the two sides disagree on when a
-    # peer is lost (one fails a round the other still waits for)
+    # peer is lost (one fails a round the other still waits for). state_limit_bytes too: codec state
+    # is dropped (least recently used) at the cap, and every node must drop the same states at the
+    # same round (daemon/engine.py StateStore)
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
-                    "nan_policy", "local_size", "heartbeat_interval", "peer_timeout")
+                    "nan_policy", "local_size", "heartbeat_interval", "peer_timeout", "state_limit_bytes")
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:

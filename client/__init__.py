@@ -18,6 +18,7 @@ import mmap
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -144,6 +145,10 @@ class Handle:
         if reply["t"] == "error":
             raise from_wire(reply)
         self.stats = dict(reply.get("stats") or {})
+        warning = self.stats.get("warning")
+        if isinstance(warning, str) and warning not in self.client._warned:
+            self.client._warned.add(warning)
+            warnings.warn(f"birdnet: {warning}", stacklevel=3)
         if self.slot is None:
             return None
         if self.out is not None:
@@ -193,6 +198,7 @@ class Client:
         self._replies: dict[int, dict] = {}
         self._slots: dict[int, _Slot] = {}
         self._owned: dict[int, _Slot] = {}  # id(array) -> slot, for arrays from buffer()
+        self._warned: set[str] = set()  #: the daemon's warnings already shown (each once)
         self._connect()
 
     # -- connection -------------------------------------------------------------------------------
@@ -471,7 +477,9 @@ class Client:
 
         Returns a new array of the same shape and dtype (float16 is reduced in float32; float64 in
         float64). ``codec`` and its parameters (e.g. ``codec="birdplus", density=0.01``) override the
-        cluster default for this call; stateful codecs need a stable ``name`` per tensor.
+        cluster default for this call. Stateful codecs (error feedback) need a stable ``name`` per
+        tensor, the same every step: with ``codec=`` one and no name the call raises InputError; under
+        the daemon's default codec an unnamed call runs without error feedback (a warning says so once).
         """
         return self.allreduce_async(array, op=op, name=name, codec=codec, **codec_params).wait(timeout)
 
@@ -525,6 +533,12 @@ class Client:
             else:
                 slot = self._slot_for(max(array.nbytes, 1))
                 np.copyto(slot.view(shape, dtype), array)  # the one copy into shared memory
+            if name is not None and name.startswith("anonymous/"):
+                raise InputError(f"tensor name {name!r}: names starting with 'anonymous/' are reserved for calls "
+                                 "without name=; choose another")
+            # Without a name a call cannot say which tensor it is: its name is unique, and a
+            # stateful codec keeps no state for it (the daemon refuses codec= with one, and warns
+            # when its default codec is one; docs/architecture.md "Tensor names and codec state")
             tensor = name if name is not None else f"anonymous/{seq}"
             header.update(name=tensor, shape=list(shape), dtype=dtype.name, slot=slot.slot, op=op, root=root)
             if codec is not None:

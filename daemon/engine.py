@@ -93,30 +93,63 @@ class LocalRound:
         return round_key(self.job, self.seq)
 
 
+#: tensor names the client gives calls made without ``name=`` (``anonymous/<call number>``): no later
+#: call can name the same tensor, so their codec state lives for the round only (StateStore.get)
+ANONYMOUS_PREFIX = "anonymous/"
+
+
 class StateStore:
-    """Codec state per (job, tensor name), with a memory cap (``state_limit_bytes``)."""
+    """Codec state per (job, tensor name), with a memory cap (``state_limit_bytes``).
+
+    When a new state would take the total over the cap, the states used least recently are
+    dropped (their tensors' next rounds start from empty state, as after ``reset_state``) until it
+    fits; only a state larger than the cap alone fails its round (StateLimitError). "Recently" is
+    counted in codec rounds run on this daemon, and every node runs the same rounds in the same
+    (agreed) order with the same cap (state_limit_bytes is cluster-wide), so every node drops the
+    same states at the same round and results stay bit-identical. A node that restarted, or a
+    round that failed on some nodes only before its compression, breaks that symmetry as it
+    breaks the states themselves (the residuals differ); ``reset_state`` makes them equal again.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        #: (job, name) -> [codec key, state, rounds since reset, bytes]
+        #: (job, name) -> [codec key, state, rounds since reset, bytes, last use]
         self.states: dict[tuple[str, str], list[Any]] = {}
+        self.uses = 0  #: codec rounds that asked for state: the clock of "least recently used"
+        self.evicted = 0  #: states dropped to stay under the cap
+        self.evicted_bytes = 0
 
     def get(self, job: str, name: str, codec, n: int) -> tuple[Any, int]:
         """The state for this tensor (new if the codec or size changed) and its round count."""
+        self.uses += 1
+        if name.startswith(ANONYMOUS_PREFIX):
+            return codec.new_state(n), 0  # for this round only (the service warns the process)
         key = (job, name)
         ckey = f"{sorted(codec.describe().items())!r}/{n}"
         cur = self.states.get(key)
         if cur is not None and cur[0] == ckey:
+            cur[4] = self.uses
             return cur[1], cur[2]
         state = codec.new_state(n)
         nb = codec.state_nbytes(state)
-        total = self.total_bytes() - (cur[3] if cur else 0) + nb
-        if total > self.limit:
+        if nb > self.limit:
             raise StateLimitError(
-                f"codec state for tensor {name!r} of job {job!r} ({nb} bytes) would bring this daemon's codec "
-                f"state to {total} bytes, over state_limit_bytes={self.limit}; call client.reset_state() "
-                "or raise the limit")
-        self.states[key] = [ckey, state, 0, nb]
+                f"codec state for tensor {name!r} of job {job!r} needs {nb} bytes, more than "
+                f"state_limit_bytes={self.limit} on its own; raise the limit or use a stateless codec for it")
+        self.states.pop(key, None)
+        total = self.total_bytes() + nb
+        if total > self.limit:
+            for old_key, old in sorted(self.states.items(), key=lambda kv: kv[1][4]):
+                del self.states[old_key]
+                total -= old[3]
+                self.evicted += 1
+                self.evicted_bytes += old[3]
+                log.warning("codec state of tensor %r of job %r (%d bytes, unused for %d codec rounds) dropped to "
+                            "make room for tensor %r under state_limit_bytes=%d; its next round starts from empty "
+                            "state", old_key[1], old_key[0], old[3], self.uses - old[4], name, self.limit)
+                if total <= self.limit:
+                    break
+        self.states[key] = [ckey, state, 0, nb, self.uses]
         return state, 0
 
     def advance(self, job: str, name: str) -> None:
@@ -131,6 +164,15 @@ class StateStore:
 
     def total_bytes(self) -> int:
         return sum(v[3] for v in self.states.values())
+
+    def per_job(self) -> dict[str, dict[str, int]]:
+        """job -> {"tensors": how many states, "bytes": their size}, for status."""
+        out: dict[str, dict[str, int]] = {}
+        for (job, _name), v in list(self.states.items()):  # the ring worker may add one meanwhile
+            j = out.setdefault(job, {"tensors": 0, "bytes": 0})
+            j["tensors"] += 1
+            j["bytes"] += v[3]
+        return out
 
 
 def error_class(descs: list[tuple[int, dict[str, Any]]]) -> str:

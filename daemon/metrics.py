@@ -20,6 +20,7 @@ metric                                 type       meaning
 ``birdnet_round_seconds``              histogram  data phase of each successful all-reduce / broadcast
 ``birdnet_compress_seconds_total``     counter    time spent in codec compress/decompress
 ``birdnet_codec_state_bytes``          gauge      memory held by codec state (error feedback, momentum)
+``birdnet_codec_states_evicted_total``  counter    codec states dropped (least recently used) under state_limit_bytes
 ``birdnet_peer_up``                    gauge      1 if the peer is reachable (or is this node), else 0
 ``birdnet_clients``                    gauge      training processes connected to this daemon
 =====================================  =========  =========================================================
@@ -283,6 +284,9 @@ class MetricsServer:
         family("birdnet_codec_state_bytes", "gauge",
                "Memory held by codec state (error feedback, momentum correction, compensation).",
                [({}, _state_bytes(d.states))])
+        family("birdnet_codec_states_evicted_total", "counter",
+               "Codec states dropped, least recently used first, to stay under state_limit_bytes.",
+               [({}, getattr(d.states, "evicted", 0))])
         family("birdnet_peer_up", "gauge", "1 if the peer is reachable (or is this node), else 0.",
                [({"rank": r, "address": a}, up) for r, a, up in _peer_up(d)])
         sessions = list(d.sessions.values())

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import zmq
 from birdnet.daemon import notify
-from birdnet.daemon.engine import Contribution, LocalRound, RingWorker, RoundRunner, StateStore
+from birdnet.daemon.engine import ANONYMOUS_PREFIX, Contribution, LocalRound, RingWorker, RoundRunner, StateStore
 
 from birdnet import PROTOCOL_VERSION, __version__, wire
 from birdnet.config import Settings
@@ -46,6 +46,7 @@ from birdnet.errors import (
     InputError,
     ProcessLostError,
     ProtocolError,
+    RoundTimeoutError,
     ShutdownError,
     to_wire,
 )
@@ -63,6 +64,8 @@ MAX_SEGMENT_BYTES = 1 << 34
 MAX_SLOTS = 256  #: shared-memory slots per client session
 MAX_SESSIONS = 1024  #: client sessions per daemon
 MAX_DEPARTED = 1024  #: jobs remembered as broken by a departed process
+MAX_PENDING_CALLS = 1024  #: a job's calls waiting on this node for some of its processes
+MAX_EXPIRED = 4096  #: a job's call numbers remembered as timed out
 MAX_PID = 2**22  #: Linux's largest pid_max (a pid above cannot exist; os.kill would overflow a C int)
 MAX_SEQ = 2**62  #: call numbers: far beyond any run, well inside the int64 the wire carries
 MAX_NAME = 16384  #: characters of a tensor name
@@ -172,7 +175,7 @@ class Session:
     started: float = dataclasses.field(default_factory=time.monotonic)
     uid: int | None = None  #: the process's user, from the kernel (None: not known)
     #: the sealed segment of the last alloc while the daemon still holds its descriptor (at most
-    #: one per session: the process opens it before it sends anything else)
+    #: one per session: the process opens it before it sends anything else over the socket)
     unmapped: Segment | None = None
 
 
@@ -181,6 +184,11 @@ class Job:
     name: str
     sessions: dict[int, Session] = dataclasses.field(default_factory=dict)  # local_index -> session
     pending: dict[int, dict[int, tuple[dict, Contribution | None]]] = dataclasses.field(default_factory=dict)
+    #: call number -> when its first process submitted it (round_timeout runs from there)
+    pending_since: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: call numbers that timed out here waiting for a process -> why; a late submit of one fails at
+    #: once (bounded: MAX_EXPIRED, oldest forgotten first)
+    expired: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 class Daemon:
@@ -216,6 +224,7 @@ class Daemon:
         self.figures = RoundFigures()
         self.curve = None
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
+        self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
 
     # -- start-up ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -335,6 +344,7 @@ class Daemon:
                     last_reap = now
                     try:
                         self.reap_sessions()
+                        self.expire_pending()
                     except Exception:  # noqa: BLE001 - a bad session must not stop the loop serving the others
                         log.exception("reaping client sessions failed")
                     line = self._status_line()
@@ -396,6 +406,14 @@ class Daemon:
             log.info("client request refused: %s", exc)
             self.reply(identity, {"t": "error", "call": None, **to_wire(exc)})
             return
+        s = self.sessions.get(identity)
+        if s is not None and s.unmapped is not None:
+            # The process sends nothing between an alloc's reply and opening the segment, and the
+            # socket keeps order, so by its next message here it has it open: the daemon's
+            # descriptor can go. (Not at a message from the submit FIFO: one written before the
+            # alloc may be read after it.)
+            s.unmapped.release_fd()
+            s.unmapped = None
         creds = peer_credentials(frames[1]) if header.get("t") == "hello" else None
         self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds)
 
@@ -423,12 +441,6 @@ class Daemon:
             handler = getattr(self, f"handle_{t}", None) if t in allowed else None
             if handler is None:
                 raise ProtocolError(f"unknown request {t!r}")
-            s = self.sessions.get(identity)
-            if s is not None and s.unmapped is not None:
-                # the process sends nothing between an alloc's reply and mapping the segment: it
-                # has it open now, and the daemon's descriptor of it can go
-                s.unmapped.release_fd()
-                s.unmapped = None
             check_request(header)
             if t == "hello":
                 self.handle_hello(identity, header, creds)
@@ -598,7 +610,16 @@ class Daemon:
                 desc["codec"] = {"codec": "none"}
             else:
                 from birdnet.codecs import get_codec
-                desc["codec"] = get_codec(codec_name, **params).describe()  # CodecError names the problem
+                codec = get_codec(codec_name, **params)  # CodecError names the problem
+                desc["codec"] = codec.describe()
+                if name.startswith(ANONYMOUS_PREFIX) and h.get("codec") and codec.new_state(1) is not None:
+                    # An unnamed call cannot say which tensor it is, so its state could never be
+                    # used again: refuse rather than drop error feedback silently (or leak it).
+                    raise InputError(
+                        f"call {seq}: codec {codec_name!r} keeps error-feedback state per tensor, and a call without "
+                        f"name= has no tensor to keep it for (each call would start from nothing and lose what "
+                        f"the compression dropped); pass the same name for the same tensor every step, e.g. "
+                        f"client.allreduce(grad, name='layer1.weight', codec={codec_name!r}, ...)")
             if kind == "broadcast":
                 desc["root"] = root
             if slot in s.inflight:
@@ -607,6 +628,14 @@ class Daemon:
                 # two rounds writing one segment would give both a wrong result, silently
                 raise InputError(f"tensor {name!r}: slot {slot} is in use by call {s.inflight[slot]}, still in flight")
         j = self.jobs[s.job]
+        if seq in j.expired:
+            raise RoundTimeoutError(j.expired[seq])
+        if seq not in j.pending and len(j.pending) >= MAX_PENDING_CALLS:
+            # a process far ahead of its siblings (or numbering calls they never use) must not
+            # grow the daemon without bound
+            raise InputError(f"job {s.job!r} has {len(j.pending)} calls on node rank {self.rank} waiting for some of its "
+                             f"{self.settings.local_size} local processes; call {seq} of pid {s.pid} cannot wait too "
+                             "(do all processes of the job make the same calls?)")
         # Everything is checked: from here on the submit is taken, and the session records it.
         if h.get("door") is True and s.door is not None and not s.door.armed:
             s.door.armed = True  # the process has its ends open: results may go this way now
@@ -620,6 +649,8 @@ class Daemon:
                 s.used_seqs = {q for q in s.used_seqs if q >= seq - SEQ_WINDOW}
         if array is not None:
             s.inflight[slot] = call
+        if seq not in j.pending:
+            j.pending_since[seq] = time.monotonic()
         pend = j.pending.setdefault(seq, {})
         contribution = None
         if array is not None:
@@ -629,13 +660,42 @@ class Daemon:
         if len(pend) == self.settings.local_size:
             self._launch(j, seq)
 
-    def _launch(self, j: Job, seq: int) -> None:
+    def expire_pending(self) -> None:
+        """Calls some local processes of a job submitted and a sibling did not within round_timeout
+        fail for those that did (a sibling that never submits hung them for ever). The round goes to
+        the ring worker with the error, so the other nodes fail it too (as a mismatch) instead of
+        waiting; the sibling's late submit of it fails at once (Job.expired)."""
+        limit = time.monotonic() - self.settings.round_timeout
+        for j in list(self.jobs.values()):
+            for seq in [q for q, t in j.pending_since.items() if t < limit]:
+                if seq not in j.pending:
+                    del j.pending_since[seq]
+                    continue
+                have = sorted(j.pending[seq])
+                missing = [i for i in range(self.settings.local_size) if i not in have]
+                pids = [j.sessions[i].pid for i in missing if i in j.sessions]
+                why = (f"call {seq} of job {j.name!r} timed out on node rank {self.rank}: local rank(s) "
+                       f"{', '.join(map(str, missing))}" + (f" (pid {', '.join(map(str, pids))})" if pids else "")
+                       + f" did not submit it within round_timeout={self.settings.round_timeout} s, local rank(s) "
+                       f"{', '.join(map(str, have))} did; do all processes of the job make the same calls?")
+                log.warning("%s", why)
+                j.expired[seq] = why
+                while len(j.expired) > MAX_EXPIRED:
+                    j.expired.pop(next(iter(j.expired)))
+                self._launch(j, seq, RoundTimeoutError(why))
+
+    def _launch(self, j: Job, seq: int, error: BirdnetError | None = None) -> None:
+        j.pending_since.pop(seq, None)
         pend = j.pending.pop(seq)
         entries = [pend[i] for i in sorted(pend)]
         desc0 = entries[0][0]
         rnd = LocalRound(job=j.name, seq=seq, kind=desc0["kind"], desc=desc0,
                          parts=[e[1] for e in entries if e[1] is not None])
         rnd.callers = [(j.sessions.get(i), pend[i][2], pend[i][3]) for i in sorted(pend)]
+        codec = desc0.get("codec")
+        if (isinstance(desc0.get("name"), str) and desc0["name"].startswith(ANONYMOUS_PREFIX)
+                and isinstance(codec, dict) and codec.get("codec") not in (None, "none")):
+            self._warn_anonymous(j.name, rnd, codec)
         for i, (d, _c, _call, _slot) in zip(sorted(pend), entries):
             diffs = [f"{k}: {desc0.get(k)!r} (local rank {sorted(pend)[0]}) vs {d.get(k)!r} (local rank {i})"
                      for k in desc0 if d.get(k) != desc0.get(k)]
@@ -643,6 +703,8 @@ class Daemon:
                 rnd.error = InputError(f"call {seq} of job {j.name!r} does not match between processes on node "
                                        f"rank {self.rank}: " + "; ".join(diffs))
                 break
+        if error is not None:
+            rnd.error = error
         if rnd.error is None and self.settings.nan_policy == "reject" and rnd.kind == "allreduce":
             for p in rnd.parts:
                 if p.array.dtype.kind == "f" and not np.isfinite(p.array).all():
@@ -655,6 +717,27 @@ class Daemon:
             # after the round went to the worker nothing may fail this call: an error reply now
             # would free a slot the round still writes (zmq.Again once 1000 wake-ups are queued)
             _nudge(self.ring_wake_tx)
+
+    def _warn_anonymous(self, job: str, rnd: LocalRound, desc: dict[str, Any]) -> None:
+        """A call without name= under the daemon's default codec (an explicit stateful codec is
+        refused in handle_submit): if that codec keeps state, the round runs with state for this
+        round only (StateStore.get), and the process is told so with its result (the client warns
+        once); the log says it once per job."""
+        from birdnet.codecs import get_codec
+        try:
+            stateful = get_codec(desc["codec"], **{k: v for k, v in desc.items() if k != "codec"}).new_state(1) is not None
+        except BirdnetError:
+            return
+        if not stateful:
+            return
+        msg = (f"calls without name= run the cluster's default codec {desc['codec']!r} without error feedback (its "
+               "state needs a tensor name that stays the same from step to step); pass name= to keep it")
+        rnd.stats["warning"] = msg
+        if job not in self.warned_jobs:
+            if len(self.warned_jobs) >= MAX_DEPARTED:
+                self.warned_jobs.clear()
+            self.warned_jobs.add(job)
+            log.warning("job %r: %s", job, msg)
 
     def _round_finished(self, rnd: LocalRound) -> None:
         """Called on the ring worker thread: a result goes straight to the processes that have a
@@ -731,6 +814,7 @@ class Daemon:
                         other.inflight.pop(slot, None)
                         self.reply(other.identity, {"t": "error", "call": call, **to_wire(err)})
                 del j.pending[seq]
+                j.pending_since.pop(seq, None)
             if not j.sessions:
                 del self.jobs[s.job]
         for seg in s.segments.values():
@@ -770,6 +854,9 @@ class Daemon:
             # from the left neighbour (elastic mode: any peer), on TCP connections that broke (PeerNet.take_gap)
             "messages_lost": self.net.messages_lost if self.net else 0,
             "state_bytes": self.states.total_bytes(),
+            # codec state per job (tensors, bytes) and what the cap made room for (StateStore)
+            "states": self.states.per_job(),
+            "states_evicted": self.states.evicted, "states_evicted_bytes": self.states.evicted_bytes,
             "uptime_seconds": time.time() - self.started,
             **({"elastic": w.status()} if w is not None and hasattr(w, "status") else {}),
         }

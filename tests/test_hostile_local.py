@@ -48,6 +48,8 @@ class Node:
         self.checks = 0
         if local_size == 1:
             self.healthy()  # the first round allocates what every later one reuses
+            with Client(self.sock, job="warm", connect_timeout=5.0) as c:  # and the codec's kernels load
+                c.allreduce(np.ones(20000, np.float32), name="w", codec="topk", timeout=60)
             time.sleep(0.5)
         self.base_rss = _rss(self.pid)
         self.base_fds = _fds(self.pid)
@@ -66,10 +68,15 @@ class Node:
         descriptors are back at their baseline once the test's connections are closed."""
         self.alive()
         self.checks += 1
-        x = np.arange(1000, dtype=np.float32) * 0.5
-        with Client(self.sock, job=f"check{self.checks}", connect_timeout=5.0) as c:
-            out = c.allreduce(x, name="check", timeout=CHECK_TIMEOUT)
-        assert out.tobytes() == x.tobytes()
+        if self.cl.local_size == 1:
+            x = np.arange(1000, dtype=np.float32) * 0.5
+            with Client(self.sock, job=f"check{self.checks}", connect_timeout=5.0) as c:
+                out = c.allreduce(x, name="check", timeout=CHECK_TIMEOUT)
+            assert out.tobytes() == x.tobytes()
+        else:
+            res = self.cl.run(check_round, f"check{self.checks}", timeout=60)
+            assert all(r.tobytes() == res[0].tobytes() for r in res)
+            assert np.all(res[0] == np.arange(1000, dtype=np.float32) * (self.cl.local_size + 1) / 2)
         self.alive()
         if hasattr(self, "base_rss"):
             grew = _rss(self.pid) - self.base_rss
@@ -88,6 +95,12 @@ class Node:
         self.ctx.destroy(0)
         codes = self.cl.stop()
         assert codes == [0], self.cl.log(0)[-3000:]
+
+
+def check_round(sock, node, local, job):
+    """One process of a node's job: the mean of local rank + 1 over the job."""
+    with Client(sock, job=job, connect_timeout=5.0) as c:
+        return c.allreduce(np.arange(1000, dtype=np.float32) * (local + 1), name="check", timeout=CHECK_TIMEOUT)
 
 
 class Raw:
@@ -450,3 +463,133 @@ def test_hello_pid_is_checked_by_the_kernel(node, tmp_path):
     finally:
         child.communicate(b"", timeout=20)
     node.healthy()
+
+
+# -- 3: calls without name= and stateful codecs; the state cap ----------------------------------------------
+def unnamed_default_codec(sock, node, local, calls):
+    """Unnamed calls under the daemon's default (stateful) codec: the warnings shown, the state held."""
+    import warnings as _w
+    with Client(sock, job="unnamed") as c:
+        with _w.catch_warnings(record=True) as seen:
+            _w.simplefilter("always")
+            for i in range(calls):
+                c.allreduce(np.full(20000, float(i), np.float32), timeout=60)
+        st = c.status()
+    return [str(w.message) for w in seen], st["state_bytes"], st.get("states", {})
+
+
+def evicting(sock, node, local, rounds):
+    """Three named tensors in turn under a cap that holds two states: results per round."""
+    with Client(sock, job="cap") as c:
+        outs = []
+        rng = np.random.default_rng(7 + node)
+        for i in range(rounds):
+            x = rng.standard_normal(20000).astype(np.float32)
+            outs.append(c.allreduce(x, name=f"t{i % 3}", codec="topk", density=0.05, timeout=60))
+        st = c.status()
+    return outs, st
+
+
+@pytest.mark.timeout(120)
+def test_explicit_stateful_codec_without_a_name_is_refused(node):
+    with Client(node.sock, job="explicit") as c:
+        with pytest.raises(Exception, match="name=") as info:
+            c.allreduce(np.ones(20000, np.float32), codec="topk", density=0.01, timeout=30)
+        assert type(info.value).__name__ == "InputError"
+        # stateless, or named: fine
+        assert np.all(c.allreduce(np.ones(20000, np.float32), codec="topk", density=0.01, error_feedback=False,
+                                  timeout=30) != np.nan)
+        c.allreduce(np.ones(20000, np.float32), codec="topk", density=0.01, name="w", timeout=30)
+        with pytest.raises(Exception, match="reserved"):
+            c.allreduce(np.ones(10, np.float32), name="anonymous/3")
+    node.healthy()
+
+
+@pytest.mark.timeout(180)
+def test_unnamed_calls_under_a_stateful_default_codec_leave_no_state_and_warn_once(tmp_path):
+    """README's client.allreduce(np_grad) keeps working under --codec topk: no state left behind
+    (120 calls left 480 MB of it on 2 daemons before, one fresh state per call), one warning."""
+    with LocalCluster(2, tmp_path, extra=["--codec", "topk", "--codec-params", '{"density": 0.01}']) as cl:
+        res = cl.run(unnamed_default_codec, 40)
+        for i in range(2):
+            assert "without error feedback" in cl.log(i)
+            assert cl.log(i).count("without error feedback") == 1
+    for msgs, state_bytes, states in res:
+        assert len(msgs) == 1 and "without error feedback" in msgs[0] and "name=" in msgs[0], msgs
+        assert state_bytes == 0 and "unnamed" not in states
+
+
+@pytest.mark.timeout(180)
+def test_state_cap_drops_least_recently_used_state_the_same_way_on_every_node(tmp_path):
+    """A cap that holds two tensors' state, three tensors in turn: every new state drops the least
+    recently used one (StateLimitError mid-training before); both nodes drop the same states at the
+    same rounds, so results stay bit-identical; status and the log say what happened."""
+    cap = 2 * 20000 * 4 + 100
+    with LocalCluster(2, tmp_path, extra=["--state-limit-bytes", str(cap)]) as cl:
+        res = cl.run(evicting, 12)
+        logs = [cl.log(i) for i in range(2)]
+    (a, st_a), (b, st_b) = res
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+    for status, log in ((st_a, logs[0]), (st_b, logs[1])):
+        assert status["states_evicted"] == 10  # rounds 3..12 each need a state the cap has no room for
+        assert status["states"]["cap"] == {"tensors": 2, "bytes": 2 * 20000 * 4}
+        assert log.count("dropped to make room") == 10
+
+
+# -- 6: a sibling that never submits ----------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_sibling_that_never_submits_times_out_the_others(tmp_path):
+    """--local-size 2: one process submits call 0, its sibling never does. No round_timeout applied
+    before a round was launched: the first waited for ever. Now it fails after round_timeout
+    naming the missing local rank; the sibling's late submit of call 0 fails at once; a process
+    cannot grow the job's waiting calls without bound (1024)."""
+    n = Node(tmp_path, local_size=2)
+    try:
+        import subprocess
+        import sys
+        b = subprocess.Popen([sys.executable, "-c", (
+            "import sys\n"
+            "from birdnet.client import Client\n"
+            f"c = Client({n.sock!r}, job='sib')\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "try:\n"
+            "    c.barrier(timeout=10)\n"
+            "    print('ok', flush=True)\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e, flush=True)\n"
+            "sys.stdin.readline()\n"
+            "c.close()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert b.stdout.readline().strip() == "ready"
+        a = n.raw()
+        assert a.hello(job="sib")["t"] == "welcome"
+        t0 = time.monotonic()
+        a.send({"t": "submit", "call": 1, "seq": 0, "kind": "barrier"})
+        reply = a.recv(timeout=15)
+        waited = time.monotonic() - t0
+        assert reply["t"] == "error" and reply["error"] == "RoundTimeoutError", reply
+        assert "local rank(s) 1" in reply["message"] and 2.5 < waited < 6, (reply, waited)
+        t0 = time.monotonic()
+        b.stdin.write("go\n")
+        b.stdin.flush()
+        late = b.stdout.readline()
+        assert late.startswith("RoundTimeoutError") and time.monotonic() - t0 < 2, late
+        for i in range(1, 1101):
+            a.send({"t": "submit", "call": 10 + i, "seq": i, "kind": "barrier"})
+        refused = []
+        while True:
+            h = a.recv(timeout=15)
+            if "waiting for some of its" in h.get("message", ""):
+                refused.append(h["call"])
+            if len(refused) == 1100 - 1024:
+                break
+        assert refused[0] == 10 + 1025
+        deadline = time.monotonic() + 20
+        while n.cl.log(0).count("timed out on node rank") < 1025 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        a.ask({"t": "bye", "call": 5})
+        a.close()
+        b.communicate("bye\n", timeout=20)
+        n.healthy()
+    finally:
+        n.close()
