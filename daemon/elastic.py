@@ -227,7 +227,8 @@ class ElasticPeerNet(PeerNet):
         h = {"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
              "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost()), "ep": self.epoch,
              "want": self.want}
-        for r in self.dealers:
+        for r, d in self.dealers.items():
+            self._count_ping(r, d, self.peers[r].endpoint())
             try:
                 self.send(h, to=r)
             except PeerLostError:
@@ -251,6 +252,8 @@ class ElasticPeerNet(PeerNet):
             except ProtocolError as exc:
                 log.warning("dropped a bad reply from rank %d (%s): %s", r, self.peers[r].address, exc)
                 continue
+            if header["t"] in ("pong", "refuse"):
+                self._answered(r)
             if header["t"] == "pong":
                 self.seen[r] = time.monotonic()
                 self._note_info(r, header)

@@ -60,6 +60,11 @@ HELD_MAX_MESSAGES = 64
 HELD_MAX_BYTES = 16 << 20
 
 
+#: replies (pong, refuse) queued at most for one connection; more are dropped (PeerNet._reply)
+REPLY_HWM = 64
+#: longest refusal reason sent: a ping's cluster-wide map may be 64 KiB, and every difference is named
+MAX_REASON_CHARS = 2048
+
 _NOWAIT = int(zmq.NOBLOCK)
 _MORE_NOWAIT = int(zmq.SNDMORE | zmq.NOBLOCK)
 
@@ -151,7 +156,10 @@ def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.IPV6, 1)
     s.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
-    s.setsockopt(zmq.SNDHWM, 0)
+    # A DEALER carries rounds: nothing may be dropped (a full queue means a lost neighbour, noticed
+    # by peer_timeout; queued pings are bounded by PeerNet._count_ping). The ROUTER only answers
+    # pings: a connection that never reads must not queue pongs and refusals without limit.
+    s.setsockopt(zmq.SNDHWM, REPLY_HWM if kind == zmq.ROUTER else 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.setsockopt(zmq.TCP_KEEPALIVE, 1)
     return s
@@ -213,6 +221,9 @@ class PeerNet:
         self._claims: dict[bytes, tuple[float, str]] = {}
         self.duplicate: str | None = None
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
+        #: rank -> pings sent since its last pong or refusal, and the most kept queued (_count_ping)
+        self._unanswered: dict[int, int] = {}
+        self.max_unanswered = int(settings.peer_timeout / settings.heartbeat_interval) + 2
         #: Every message to the right neighbour carries ``q``, one more than the last (pings too).
         #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
         #: breaks (a NAT box, a flapping link, ``ss -K``): then what was in flight on it is gone, and
@@ -418,7 +429,27 @@ class PeerNet:
         except PeerLostError:
             pass  # the right neighbour's liveness (no pongs) reports this
 
+    def _count_ping(self, rank: int, sock: zmq.Socket, endpoint: str) -> None:
+        """Count a ping about to go to ``rank``; past peer_timeout's worth of pings it never answered,
+        drop what is queued for it by reconnecting ``sock``. ZeroMQ keeps a DEALER's queue while the
+        peer is down or does not read (SNDHWM 0, so a round is never cut): without this, every heartbeat
+        queued a ping for ever, delivered in a burst when the peer came back. A reconnection drops nothing
+        the peer could still use: it has been counted lost for as long (rounds with it failed)."""
+        n = self._unanswered.get(rank, 0) + 1
+        if n > self.max_unanswered:
+            try:
+                sock.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass
+            sock.connect(endpoint)
+            n = 1
+        self._unanswered[rank] = n
+
+    def _answered(self, rank: int) -> None:
+        self._unanswered[rank] = 0
+
     def _send_ping(self) -> None:
+        self._count_ping(self.right.rank, self.dealer, self.right.endpoint())
         self.send({"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
                    "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost())})
 
@@ -510,6 +541,8 @@ class PeerNet:
             except ProtocolError as exc:
                 log.warning("dropped a bad reply from right neighbour %s: %s", self.right.address, exc)
                 continue
+            if header["t"] in ("pong", "refuse"):
+                self._answered(self.right.rank)
             if header["t"] == "pong":
                 self.right_seen = time.monotonic()
                 if self.refused_by_right:
@@ -673,6 +706,8 @@ class PeerNet:
         return self.duplicate
 
     def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
+        if "reason" in header:
+            header["reason"] = wire.printable(header["reason"], MAX_REASON_CHARS)
         try:
             self.router.send_multipart([identity, *wire.encode(header)], zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -212,6 +212,41 @@ def test_peer_strings_cannot_forge_log_lines(ring, baseline, ctx):
         assert not [ln for ln in lines if ln.startswith("FORGED-LINE")], lines
 
 
+# -- floods ----------------------------------------------------------------------------------------
+
+def test_a_peer_that_never_reads_its_refusals(ring, baseline, ctx):
+    """Pings whose cluster-wide map differs in 250 keys are refused with a reason naming every
+    difference (~14 KB each); a peer that never reads had them all queued (SNDHWM 0): 6,000
+    such pings grew the daemon by ~80 MB. Now at most REPLY_HWM replies are queued per connection,
+    each reason at most MAX_REASON_CHARS."""
+    cl, ports = ring
+    p = Peer(ctx, ports[1], RCVHWM=1, RCVBUF=4096, SNDTIMEO=20000)
+    cw = {f"k{i:03d}": "x" * 20 for i in range(250)}
+    for _ in range(6000):
+        p.ping(rank=0, cw=cw)
+    time.sleep(2.0)  # read and answered by the daemon meanwhile
+    grew = rss(baseline.pids[1]) - baseline.rss[1]
+    p.close()
+    assert grew < RSS_GROWTH_LIMIT, f"daemon 1 grew by {grew >> 20} MB while the peer did not read"
+    baseline.check()
+
+
+def test_floods_of_pings_and_starts(ring, baseline, ctx):
+    """A peer posing as the left neighbour floods pings and starts of rounds no process submitted;
+    the daemon answers, drops what it cannot use and keeps serving."""
+    cl, ports = ring
+    p = Peer(ctx, ports[1], SNDTIMEO=20000)
+    p.ping(rank=0)
+    for i in range(6000):
+        if i % 2:
+            p.ping(rank=0)
+        else:
+            p.send({"t": "start", "k": f"flood/{i}", "descs": [[0, {"name": "x", "count": 1}]]})
+    time.sleep(1.0)
+    p.close()
+    baseline.check()
+
+
 # -- the metrics port --------------------------------------------------------------------------------
 
 def _threads(pid: int) -> int:

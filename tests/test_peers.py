@@ -390,3 +390,32 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     w._fail_overtaken("k/7", 1)
     assert isinstance(finished.get("k/3"), RoundAborted)
     assert "other/2" in w.ready and "j/8" in w.ready
+
+
+def test_pings_for_a_peer_that_is_down_are_bounded(ring):
+    """ZeroMQ keeps a DEALER's queue while its peer is down (SNDHWM 0: a round is never cut), so a
+    heartbeat queued a ping for ever and the peer got them all in a burst when it came back. Now
+    at most peer_timeout's worth stay queued (PeerNet._count_ping reconnects past that)."""
+    net, settings, _ = ring
+    ctx = zmq.Context.instance()
+    right = ctx.socket(zmq.ROUTER)
+    right.setsockopt(zmq.LINGER, 0)
+    right.bind(net.right.endpoint())
+    collect(net, 0.3)  # connected; pings arrive
+    right.close(0)  # the right neighbour is down
+    down = 3.0  # 30 heartbeats at 0.1 s; peer_timeout 1 s allows 12 unanswered
+    collect(net, down)
+    right = ctx.socket(zmq.ROUTER)
+    right.setsockopt(zmq.LINGER, 0)
+    try:
+        right.bind(net.right.endpoint())
+        got, deadline = 0, time.monotonic() + 1.0  # what was queued comes at once on reconnection
+        while time.monotonic() < deadline:
+            net.poll(0.02)
+            while right.poll(0):
+                right.recv_multipart()
+                got += 1
+        # queued while down: at most max_unanswered; then 1 s of fresh heartbeats (about 10)
+        assert got <= 12 + 12, got  # max_unanswered: int(peer_timeout / heartbeat_interval) + 2
+    finally:
+        right.close(0)
