@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from birdnet.codecs import WIRE_FORMATS
 from birdnet.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -114,6 +115,8 @@ class Settings:
 
     def cluster_wide(self) -> dict[str, Any]:
         cw = {k: getattr(self, k) for k in self.CLUSTER_WIDE}
+        # what codecs put on the wire: a daemon from before a payload change refuses this one by name
+        cw["codec_formats"] = dict(WIRE_FORMATS)
         if self.elastic:
             # Only when on, so a cluster without it keeps its fingerprint; an elastic node and a
             # non-elastic one speak different ring protocols and must refuse each other, by name.

@@ -9,9 +9,10 @@ import textwrap
 
 import numpy as np
 import pytest
-from _codec_sim import contexts, sim_round
+from _codec_sim import contexts
 
 from birdnet.codecs import get_codec
+from birdnet.errors import CodecError
 
 BOTH = ["bird", "birdplus"]
 
@@ -133,8 +134,8 @@ def test_same_seed_identical_and_no_residual_state(name, mode):
     st = c.new_state(n)
     if mode == "local":
         assert st is None
-    else:
-        assert set(st) == {"imp"} and c.state_nbytes(st) == 4 * -(-n // c.params["block"])
+    else:  # the selection only: no per-element or per-block state
+        assert set(st) == {"ids", "round"} and c.state_nbytes(st) == 8
     x = grad(n)
     p1 = c.compress(x, contexts(n)[0], st)
     p2 = c.compress(x, contexts(n)[0], st)
@@ -147,23 +148,108 @@ def test_same_seed_identical_and_no_residual_state(name, mode):
     np.testing.assert_array_equal(x, grad(n))  # input untouched
 
 
-@pytest.mark.parametrize("name", BOTH)
-def test_shared_selection_identical_across_nodes(name):
-    n = 50_000
-    c = get_codec(name, mode="shared", error_feedback=False, scale="none")
-    states = [c.new_state(n) for _ in range(4)]
-    for rnd in range(4):
-        xs = [grad(n, 10 * rnd + r) for r in range(4)]
-        cs = contexts(n, rnd=rnd)
-        pays = [c.compress(x, ctx, s) for x, ctx, s in zip(xs, cs, states)]
-        assert len({p.header["digest"] for p in pays}) == 1
-        out, _ = sim_round(c, xs, states, rnd)  # also runs after_round on every node
-        for s in states[1:]:
-            np.testing.assert_array_equal(s["imp"], states[0]["imp"])
-        # the kept blocks carry the exact sum of the nodes' blocks (scale none)
-        kept = out != 0
-        np.testing.assert_allclose(out[kept], sum(xs)[kept], rtol=1e-5, atol=1e-5)
-    assert (states[0]["imp"] >= 0).sum() > 0  # importance was learnt from global results
+def ring_rounds(codec, world, n, rounds, seed=0, inputs=None):
+    """``rounds`` rounds of a SUMMABLE codec over MemoryRing (the real ring algorithm, threads as
+    nodes): per round, every node's output and state, and what each node sent (its accumulator on
+    the kept blocks, read before compress)."""
+    from birdnet.ring.dense import ring_allreduce
+    from birdnet.ring.transport import MemoryRing
+
+    states = [codec.new_state(n) for _ in range(world)]
+    hist = []
+    for rnd in range(rounds):
+        xs = inputs(rnd) if inputs else [grad(n, seed + 100 * rnd + r) for r in range(world)]
+        cs = contexts(n, world, rnd)
+        before = [codec.new_state(n) if s is None else {k: v.copy() for k, v in s.items()} for s in states]
+
+        def node(t, xs=xs, cs=cs):
+            r = t.rank
+            p = codec.compress(xs[r], cs[r], states[r])
+            tag = {"len": int(p.values.size), "digest": p.header.get("digest")}
+            summed = ring_allreduce(t, p.values, timeout=30, wire_dtype=codec.wire_dtype, tag=tag)
+            out = np.empty(n, np.float32)
+            codec.decompress(type(p)(header=p.header, values=summed), out, cs[r], states[r])
+            return out, int(p.values.size), p.header["k"]
+
+        res = MemoryRing(world).run(node, timeout=60)
+        hist.append((xs, before, res, [{k: v.copy() for k, v in s.items()} for s in states]))
+    return hist
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("proposers", ["every", "rotating"])
+def test_shared_mode_sums_over_the_ring_bit_identically(world, proposers):
+    # the summable property: payloads of equal length add up hop by hop, every node ends with the
+    # same bits and the same next selection, and the sum on the kept blocks is what the nodes sent
+    n, b = 20_011, 8
+    c = get_codec("birdplus", mode="shared", momentum=0.9, proposers=proposers, density=0.02)
+    m = -(-n // b)
+    k = max(1, round(0.02 * m))
+    for xs, before, res, after in ring_rounds(c, world, n, 4):
+        outs = [r[0] for r in res]
+        for o in outs[1:]:
+            assert o.tobytes() == outs[0].tobytes()
+        for s in after[1:]:
+            np.testing.assert_array_equal(s["ids"], after[0]["ids"])
+        # bytes per node do not grow with the world: K blocks of b values + K proposal ids
+        assert {r[1] for r in res} == {res[0][2] * b + c._tail_len(m, world)}
+        assert c._tail_len(m, world) <= k and res[0][2] <= k
+        sent = np.zeros(n, np.float64)
+        for r in range(world):  # what each node sent: its accumulator after this round's momentum
+            u = 0.9 * before[r]["u"] + xs[r]
+            sent += before[r]["v"] + u
+        nz = outs[0] != 0
+        np.testing.assert_allclose(outs[0][nz], sent[nz], rtol=1e-5, atol=1e-6)
+        assert np.count_nonzero(nz) <= res[0][2] * b
+
+
+@pytest.mark.parametrize("proposers", ["every", "rotating"])
+def test_shared_mode_float16_wire_carries_the_ids_exactly(proposers):
+    n = 300_000  # m = 37,500 blocks > 2**11: ids need two float16 digits
+    c = get_codec("birdplus", mode="shared", momentum=0.9, value_dtype="float16", proposers=proposers)
+    hist = ring_rounds(c, 3, n, 3)
+    for _, _, res, after in hist:
+        assert len({r[0].tobytes() for r in res}) == 1
+        # ids above 2**11 need the second digit: the selection spans the whole tensor
+        assert 2048 < int(after[0]["ids"].max()) < -(-n // 8)
+    # the proposal is exactly the proposers' top blocks: decode what the last round's tail said
+    assert all(s["round"][0] == 3 for s in hist[-1][3])
+
+
+def test_shared_mode_sees_every_nodes_accumulator():
+    # the design point (docs/research/findings.md): a block that only one node needs is sent within
+    # one round ("every") or within world rounds ("rotating"), instead of growing unseen
+    n, b, world = 8000, 8, 4
+    big = 777  # a block only node 2 has, 1000x larger than anything else
+    def inputs(rnd):
+        xs = [grad(n, 50 * rnd + r) * np.float32(1e-3) for r in range(world)]
+        if rnd == 0:
+            xs[2][big * b:(big + 1) * b] = 1.0
+        return xs
+    for proposers, within in (("every", 2), ("rotating", world + 1)):
+        c = get_codec("birdplus", mode="shared", momentum=0.0, proposers=proposers, density=0.01)
+        hist = ring_rounds(c, world, n, within, inputs=inputs)
+        sent_at = [r for r, (_, _, res, _) in enumerate(hist) if abs(res[0][0][big * b]) > 0.5]
+        assert sent_at and sent_at[0] < within, (proposers, sent_at)
+
+
+def test_shared_mode_rejects_a_damaged_proposal():
+    n = 4000
+    c = get_codec("birdplus", mode="shared")
+    ctx = contexts(n)[0]
+    st = c.new_state(n)
+    p = c.compress(grad(n), ctx, st)
+    k = p.header["k"]
+    for bad in (0.5, -1.0, float(1 << 24), np.nan, float(-(-n // 8) + 1)):
+        v = p.values.copy()
+        v[k * 8] = bad
+        with pytest.raises(CodecError, match="proposal"):
+            c.decompress(type(p)(header=p.header, values=v), np.empty(n, np.float32), ctx, st)
+    v = p.values[:-1].copy()
+    with pytest.raises(CodecError, match="expected"):
+        c.decompress(type(p)(header=p.header, values=v), np.empty(n, np.float32), ctx, st)
+    assert st["round"][0] == -1  # a failed decompress leaves the selection as it was
 
 
 def test_error_feedback_carries_the_remainder():
@@ -231,9 +317,7 @@ _THREADS_SCRIPT = textwrap.dedent("""
             digests.append(p.header["digest"])
             out = np.empty(n, np.float32)
             c.decompress(p, out, contexts(n, rnd=r)[0], st)
-            c.after_round(st, out * np.float32(4), contexts(n, rnd=r)[0])
-        res[name] = [digests, int(np.frombuffer(st["imp"].tobytes(), np.uint32).astype(np.uint64).sum()),
-                     float(np.abs(st["v"]).sum())]
+        res[name] = [digests, st["ids"].tolist(), float(np.abs(st["v"]).sum())]
     print(json.dumps(res))
 """)
 
@@ -252,3 +336,13 @@ def test_shared_selection_identical_across_thread_counts():
     assert results[0]["threads"] == 1 and results[1]["threads"] == 2
     for name in ("bird", "birdplus"):
         assert results[0][name] == results[1][name]
+
+
+def test_the_shared_payload_format_is_in_the_cluster_fingerprint():
+    # daemons from before the proposal tail would sum payloads of another length: they must refuse
+    # each other at the handshake, naming the key
+    from birdnet.config import Settings
+    cw = Settings().cluster_wide()
+    assert cw["codec_formats"]["birdplus.shared"] == 2 and cw["codec_formats"]["bird.shared"] == 2
+    old = {k: v for k, v in cw.items() if k != "codec_formats"}
+    assert old != cw

@@ -29,6 +29,15 @@ _MODULES: dict[str, str] = {
     "signcascade": "birdnet.codecs.signcascade:SignCascadeCodec",
 }
 
+#: Codec payload formats that changed since the first release, by "codec.mode": version. They go
+#: into the cluster fingerprint (birdnet.config.Settings.cluster_wide), so daemons that would put
+#: different things on the wire for the same codec refuse each other at the handshake, naming this
+#: key, instead of failing every such round. Bump a version when a codec's payload changes.
+WIRE_FORMATS: dict[str, int] = {
+    # 2: shared mode carries the next round's proposed block ids after the values (docs/codecs.md)
+    "bird.shared": 2, "birdplus.shared": 2,
+}
+
 
 def names() -> list[str]:
     """All registered codec names."""
@@ -51,4 +60,4 @@ def get_codec(name: str, **params: Any) -> Codec:
     return codec_class(name)(**params)
 
 
-__all__ = ["Codec", "Pattern", "Payload", "RoundContext", "get_codec", "names", "codec_class"]
+__all__ = ["Codec", "Pattern", "Payload", "RoundContext", "WIRE_FORMATS", "get_codec", "names", "codec_class"]

@@ -16,11 +16,15 @@ Compression of a tensor of n elements with blocks of b (m = ceil(n/b) blocks):
 Modes:
 ``local``  GATHERED; payload = block ids (uint16 when m <= 65536, else uint32) + values
            (k*b float32 or float16, last block zero-padded). Stateless without error feedback.
-``shared`` SUMMABLE; all nodes select the same blocks from state they hold identically: the
-           running importance ``imp`` (the last observed global L1 norm of each block, updated in
-           ``after_round`` from the round's dense sum; m float32) and ``ctx.seed``. Probabilities
-           p = (1 - eps) * p_importance + eps * k/m. No ids on the wire; ``header["digest"]`` hashes
-           the selection so a disagreement fails the round.
+``shared`` SUMMABLE; every node keeps the same blocks, so the values add up hop by hop in a
+           reduce-scatter and the bytes per node do not grow with the number of nodes. The
+           blocks of round t+1 are *proposed* in round t: the proposer(s) (``proposers="rotating"``:
+           the node of rank (t+1) mod world, ScaleCom's cyclic local selection;
+           ``"every"``: every node, density/world of the blocks each) write the ids of the top
+           blocks of their own accumulator, after this round's send, into a tail of the summed
+           values; the other nodes write zeros there, so the sum carries the ids exactly and every
+           node decodes the same selection from the round's result. No protocol step is added;
+           ``header["digest"]`` hashes the selection so a disagreement fails the round.
 """
 from __future__ import annotations
 
@@ -43,6 +47,20 @@ def kept_blocks(density: float, m: int) -> int:
     return 0 if m == 0 else max(1, min(m, int(np.floor(density * m + 0.5))))
 
 
+_PROPOSERS = ("rotating", "every")
+
+
+def id_digits(m: int, wire_dtype: str) -> tuple[int, int]:
+    """(base, digits): a block id + 1 in [1, m] travels as ``digits`` floats of base ``base``, each
+    an integer the wire dtype holds exactly (float16: 2**11, float32: 2**24), so x + 0 = x at every
+    hop and the sum carries the proposer's ids bit for bit."""
+    base = 1 << (11 if wire_dtype == "float16" else 24)
+    d, top = 1, base
+    while top < m + 1:
+        d, top = d + 1, top * base
+    return base, d
+
+
 class BlockSamplingCodec(Codec):
     pattern = Pattern.GATHERED  # instances in ``shared`` mode set SUMMABLE in validate
 
@@ -51,7 +69,9 @@ class BlockSamplingCodec(Codec):
         # reached dense accuracy on MNIST-1D at 4 and 8 workers with momentum correction; blocks
         # of 32 lost 7-8 points, an uncapped scale diverged, no scale lost 3-4 points at 8 workers.
         "density": 0.01, "block": 8, "mode": "local", "value_dtype": "float32",
-        "scale": "capped", "cap": 10.0, "error_feedback": True, "momentum": 0.0, "eps": 0.1,
+        "scale": "capped", "cap": 10.0, "error_feedback": True, "momentum": 0.0,
+        # shared mode: who proposes the next round's blocks (docs/codecs.md, "shared mode")
+        "proposers": "every",
     }
 
     # -- configuration ---------------------------------------------------------------------------
@@ -72,10 +92,9 @@ class BlockSamplingCodec(Codec):
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not float(cap) >= 1.0:
             raise CodecError(f"codec {name!r}: cap must be a number >= 1, got {cap!r}")
         params["cap"] = float(cap)
-        eps = params["eps"]
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) <= 1.0):
-            raise CodecError(f"codec {name!r}: eps (shared-mode floor) must be in (0, 1], got {eps!r}")
-        params["eps"] = float(eps)
+        if params["proposers"] not in _PROPOSERS:
+            raise CodecError(f"codec {name!r}: proposers (who picks the shared mode's next blocks) must be "
+                             f"one of {', '.join(_PROPOSERS)}, got {params['proposers']!r}")
         params = C.feedback_params(name, params)
         shared = params["mode"] == "shared"
         # instance attributes: the daemon reads codec.pattern / codec.wire_dtype from the instance
@@ -87,7 +106,10 @@ class BlockSamplingCodec(Codec):
     def new_state(self, n: int):
         st = C.feedback_state(n, self.params) or {}
         if self.params["mode"] == "shared":
-            st["imp"] = np.full(-(-n // self.params["block"]), -1.0, np.float32)
+            # this round's selection, decoded from the last round's result (identical on every
+            # node); "round" says which tensor_round it is for, -1 = none yet
+            st["ids"] = np.empty(0, np.int64)
+            st["round"] = np.full(1, -1, np.int64)
         return st or None
 
     # -- selection (subclasses) ------------------------------------------------------------------
@@ -97,14 +119,55 @@ class BlockSamplingCodec(Codec):
         (``amax``: the largest finite norm)."""
         raise NotImplementedError
 
-    def _shared_selection(self, weights_src: np.ndarray, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """(p of the kept blocks, ids) from the shared importance: must be bit-identical on every node."""
-        raise NotImplementedError
+    # -- shared mode: the selection of this round and the proposal for the next ------------------
+    def _slots(self, m: int, world: int) -> tuple[int, int]:
+        """(proposal slots per proposer, proposers): K in total, identical on every node."""
+        k = kept_blocks(self.params["density"], m)
+        if self.params["proposers"] == "rotating" or world <= 1:
+            return k, 1
+        return (max(1, k // world) if k else 0), world
 
-    def _shared(self, state: Any, m: int, ctx: RoundContext) -> tuple[np.ndarray, np.ndarray, int]:
-        st = C.require_state(self.name, state, m, ("imp",))
-        pk, ids = self._shared_selection(B.importance(st["imp"]), m, ctx.seed)
-        return pk, ids, rng.digest(ctx.seed, ids)
+    def _tail_len(self, m: int, world: int) -> int:
+        per, nprop = self._slots(m, world)
+        return per * nprop * id_digits(m, self.wire_dtype)[1]
+
+    def _current(self, state: Any, m: int, ctx: RoundContext) -> tuple[np.ndarray, int]:
+        """(ascending ids kept this round, digest). The ids proposed in the previous round, or, when
+        there were none (the tensor's first round, or a round missed), K blocks drawn uniformly from
+        the cluster seed: the same on every node either way."""
+        st = C.require_state(self.name, state, 0, ())
+        if "ids" not in st or "round" not in st:
+            raise CodecError(f"codec {self.name!r}: shared-mode state lacks its selection; create it "
+                             "with codec.new_state(n)")
+        if int(st["round"][0]) == ctx.tensor_round:
+            ids = st["ids"]
+        else:
+            k = kept_blocks(self.params["density"], m)
+            ids = np.sort(B.uniform_blocks(ctx.seed, m, k))
+        return ids, rng.digest(ctx.seed, ids)
+
+    def _propose(self, post: np.ndarray, tail: np.ndarray, m: int, ctx: RoundContext) -> None:
+        """Write this node's proposal (ids + 1 in digits) into its slots of ``tail`` (zeros else)."""
+        per, nprop = self._slots(m, ctx.world)
+        tail[:] = 0.0
+        if per == 0:
+            return
+        nxt = (ctx.tensor_round + 1) % ctx.world
+        if nprop == 1 and ctx.rank != nxt:
+            return
+        slot = 0 if nprop == 1 else (ctx.rank - nxt) % ctx.world  # slot order rotates too
+        ids = B.top_blocks(post, per)
+        base, d = id_digits(m, self.wire_dtype)
+        B.encode_ids(ids, base, d, tail[slot * per * d:(slot + 1) * per * d])
+
+    def _decode(self, tail: np.ndarray, m: int, ctx: RoundContext) -> np.ndarray:
+        base, d = id_digits(m, self.wire_dtype)
+        ids = B.decode_ids(tail, base, d, m)
+        if ids is None:
+            raise CodecError(f"{self.name}, tensor {ctx.name!r}, round {ctx.round_id}: the summed proposal "
+                             f"of the next blocks is not a set of whole ids in [1, {m}] (a node sent "
+                             "something else there, or the payload was damaged)")
+        return ids
 
     # -- the work --------------------------------------------------------------------------------
     def compress(self, x: np.ndarray, ctx: RoundContext, state=None) -> Payload:
@@ -115,23 +178,26 @@ class BlockSamplingCodec(Codec):
         shared = prm["mode"] == "shared"
         norms = np.empty(m, np.float32)
         st = None
-        amax = 0.0
         if prm["error_feedback"]:
             st = C.require_state(self.name, state, n, ("v",))
             src = st["v"]
             amax = B.norms_max(x, st.get("u"), src, prm["momentum"], b, norms, error_feedback=True)
         else:
             src = x
-            if not shared:
-                amax = B.norms_max(x, None, None, 0.0, b, norms, error_feedback=False)
+            amax = B.norms_max(x, None, None, 0.0, b, norms, error_feedback=False)
         if shared:
-            pk, ids, dig = self._shared(state, m, ctx)
+            ids, dig = self._current(state, m, ctx)
+            # shared mode sends the accumulator itself: a scale on one node's proposal would
+            # extrapolate every other node's values (measured: capped scaling lost 6 points)
+            scale = np.ones(ids.shape[0], np.float32)
         else:
             pk, ids = self._local_selection(norms, amax, ctx)
+            scale = self._scales(pk)
         k = int(ids.shape[0])
-        scale = self._scales(pk)
-        vals = np.empty(k * b, np.float32)
         f16 = prm["value_dtype"] == "float16"
+        tail_len = self._tail_len(m, ctx.world) if shared else 0
+        buf = np.empty(k * b + tail_len, np.float32)
+        vals = buf[:k * b]
         if st is not None and not f16:  # gather and error-feedback update in one visit per block
             B.gather_subtract(src, st.get("u"), b, ids, scale, vals)
         else:
@@ -139,17 +205,20 @@ class BlockSamplingCodec(Codec):
         wire = vals
         if f16:
             wire16 = vals.astype(np.float16)
-            vals = wire16.astype(np.float32)  # what the receivers get (own rounding, for EF)
+            vals[:] = wire16.astype(np.float32)  # what the receivers get (own rounding, for EF)
             wire = vals if shared else wire16
             if st is not None:
                 B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
         if shared:
-            # the shared selection ignores this round's data, so a NaN/Inf outside the kept blocks
-            # would not reach the result: poison the summed values so it does (order-independent)
-            bad = float(np.sum(norms, dtype=np.float64)) if prm["error_feedback"] else float(np.sum(x))
+            # what is left on this node after the send: the sent blocks are (close to) zero
+            B.residual_norms(norms, ids, scale)
+            self._propose(norms, buf[k * b:], m, ctx)
+            # the selection was fixed before this round's data, so a NaN/Inf outside the kept
+            # blocks would not reach the result: poison the summed values so it does
+            bad = float(np.sum(norms, dtype=np.float64))
             if not np.isfinite(bad) and k:
                 vals[0] = vals[0] + np.float32(bad)
-            return Payload(header={"n": n, "b": b, "k": k, "digest": dig}, values=vals)
+            return Payload(header={"n": n, "b": b, "k": k, "digest": dig}, values=buf)
         return Payload(header={"n": n, "b": b, "k": k},
                        buffers=[ids.astype(C.index_dtype(m)), wire])
 
@@ -170,27 +239,26 @@ class BlockSamplingCodec(Codec):
         n = ctx.size
         b = self.params["block"]
         m = -(-n // b)
-        _, ids, dig = self._shared(state, m, ctx)
+        ids, dig = self._current(state, m, ctx)
         got = payload.header.get("digest")
         if got != dig:
             raise RoundMismatchError(
                 f"{self.name}, tensor {ctx.name!r}, round {ctx.round_id}: shared selection digest "
-                f"{got!r} differs from this node's {dig} (importance state or seed disagree)")
+                f"{got!r} differs from this node's {dig} (selection state or seed disagree)")
         vals = payload.values
-        if vals is None or vals.shape[0] != ids.shape[0] * b:
+        k = ids.shape[0]
+        want = k * b + self._tail_len(m, ctx.world)
+        if vals is None or vals.shape[0] != want:
             raise CodecError(f"{self.name}: summed payload has "
-                             f"{None if vals is None else vals.shape[0]} values, expected {ids.shape[0] * b}")
+                             f"{None if vals is None else vals.shape[0]} values, expected {want} "
+                             f"({k} blocks of {b} and the next round's proposal)")
+        vals = np.ascontiguousarray(vals, dtype=np.float32)
+        nxt = self._decode(vals[k * b:], m, ctx)
         out[:] = 0.0
-        B.scatter_blocks(np.ascontiguousarray(vals, dtype=np.float32), b, ids, out, add=False)
-
-    def after_round(self, state: Any, result_sum: np.ndarray, ctx: RoundContext) -> None:
-        if self.params["mode"] != "shared" or state is None or "imp" not in state:
-            return
-        # importance (b): the last observed global L1 norm of each block. result_sum is identical on
-        # every node and the norm kernel is order-fixed, so imp stays identical everywhere.
-        a = B.block_norms(np.ascontiguousarray(result_sum, dtype=np.float32), self.params["block"])
-        seen = (a > 0.0) & np.isfinite(a)
-        state["imp"][seen] = a[seen]
+        B.scatter_blocks(vals[:k * b], b, ids, out, add=False)
+        # only now, with the round's result complete on this node, the next selection
+        state["ids"] = nxt
+        state["round"][0] = ctx.tensor_round + 1
 
     # -- local mode --------------------------------------------------------------------------------
     def _check_local(self, payload: Payload, ctx: RoundContext | None) -> tuple[np.ndarray, np.ndarray, int]:

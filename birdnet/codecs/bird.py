@@ -50,9 +50,3 @@ class BirdCodec(BlockSamplingCodec):
         p, seed = self._select(norms, ctx.local_seed)
         ids = B.bernoulli(p, seed ^ _STAGE2)
         return p[ids], ids
-
-    def _shared_selection(self, imp: np.ndarray, m: int, seed: int):
-        p, seed = self._select(imp, seed)
-        B.floor_mix(p, self.params["eps"], self.params["density"])
-        ids = B.bernoulli(p, seed ^ _STAGE2)
-        return p[ids], ids

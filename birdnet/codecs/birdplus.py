@@ -48,11 +48,3 @@ class BirdPlusCodec(BlockSamplingCodec):
         ids, pk = B.birdplus_select(norms, amax, self.params["gamma"], k,
                                     rng.uniform_scalar(ctx.local_seed, 0))
         return pk, ids
-
-    def _shared_selection(self, imp: np.ndarray, m: int, seed: int):
-        # sequential, fixed-order float64 kernels: identical on every node and for any thread count
-        k = kept_blocks(self.params["density"], m)
-        p = B.shared_probabilities(B.gamma_weights(imp, self.params["gamma"]), k, self.params["eps"],
-                                   k / m if m else 0.0)
-        ids = B.walk_grouped(p, rng.uniform_scalar(seed, 0))
-        return p[ids], ids

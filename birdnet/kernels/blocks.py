@@ -1376,3 +1376,68 @@ def systematic_natural(p: np.ndarray, u: float) -> np.ndarray:
     out = np.empty(p.shape[0], np.int64)
     j = _systematic(p, -1.0, float(u), out)
     return out[:j]
+
+
+# -- shared mode: the proposal of the next round's blocks (docs/codecs.md, "shared mode") -----------
+# These run on K (about 1% of m) values or once over the m norms, on the proposing node only
+# (top_blocks) or on every node with identical inputs (decode_ids, uniform_blocks): NumPy and the
+# radix select of birdnet.kernels.sparse, no new Numba kernels.
+
+def top_blocks(a: np.ndarray, k: int) -> np.ndarray:
+    """Ascending ids of the ``k`` largest block norms of float32 ``a`` (ties by lower id; NaN ranks
+    above +Inf above every finite norm, as in the local selection), zero norms never."""
+    from birdnet.kernels import sparse
+
+    _check(a, np.float32, "top_blocks a")
+    ids, vals = sparse.topk(a, int(k))
+    return ids[vals != 0.0]
+
+
+def residual_norms(norms: np.ndarray, ids: np.ndarray, scale: np.ndarray) -> None:
+    """In place: the norms of the kept blocks after ``v -= scale * v`` (|1 - scale| times theirs),
+    i.e. what is left on this node after the send (NaN/Inf stay non-finite)."""
+    _check(norms, np.float32, "residual_norms norms")
+    if ids.shape[0]:
+        norms[ids] = norms[ids] * np.abs(np.float32(1.0) - scale.astype(np.float32))
+
+
+def encode_ids(ids: np.ndarray, base: int, digits: int, out: np.ndarray) -> None:
+    """out[j*digits + i] = digit i (least significant first, base ``base``) of ids[j] + 1 as float32;
+    slots after len(ids) are 0 (empty). Every digit is an integer below ``base``, exact in the wire
+    dtype, so adding the zeros of the other nodes keeps it."""
+    _check(out, np.float32, "encode_ids out")
+    nslot = out.shape[0] // digits
+    if ids.shape[0] > nslot:
+        raise ValueError(f"encode_ids: {ids.shape[0]} ids for {nslot} slots")
+    out[:] = 0.0
+    v = ids.astype(np.int64) + 1
+    o = out.reshape(nslot, digits)
+    for i in range(digits):
+        o[:v.shape[0], i] = (v % base).astype(np.float32)
+        v //= base
+
+
+def decode_ids(tail: np.ndarray, base: int, digits: int, m: int) -> np.ndarray | None:
+    """The distinct ascending ids encoded by :func:`encode_ids` in the summed ``tail`` (empty slots
+    skipped), or None when it holds anything but whole digits below ``base`` or ids beyond ``m``
+    (the bytes come from the network)."""
+    if tail.shape[0] % digits:
+        return None
+    d = tail.reshape(-1, digits).astype(np.float64)
+    if not np.all(np.isfinite(d)) or np.any(d < 0) or np.any(d >= base) or np.any(d != np.floor(d)):
+        return None
+    v = np.zeros(d.shape[0], np.int64)
+    for i in reversed(range(digits)):
+        v = v * base + d[:, i].astype(np.int64)
+    v = v[v != 0]
+    if v.shape[0] and int(v.max()) > m:
+        return None
+    return np.unique(v - 1)
+
+
+def uniform_blocks(seed: int, m: int, k: int) -> np.ndarray:
+    """``k`` ascending block ids, one drawn uniformly in each of k equal strata of [0, m), from the
+    cluster seed: the shared selection of a tensor's first round, identical on every node."""
+    from birdnet.kernels import sparse
+
+    return sparse.randomk_indexes(seed, m, k)[0]
