@@ -51,22 +51,55 @@ A param group may carry ``"birdnet_codec"`` (a codec name, e.g. ``"topk"``) and
 read each time a bucket is submitted, so a schedule may change them between steps (e.g. dense
 warm-up, then compression), on every process alike.
 
-Momentum in the codec
----------------------
-Momentum-correction codecs (``dgc``, ``topk``, ``randomk``, ``bird``, ``birdplus`` with
-``momentum=...``) keep the momentum in the daemon's codec state, per tensor, accumulated *before*
-sparsification (Lin et al., DGC, section 3.2). The wrapped optimizer must then run plain SGD. With
-``momentum_in_codec=True`` the adapter does that for you: for every SGD group with ``momentum > 0``
-it passes the momentum as the codec's ``momentum`` parameter and sets the group's ``momentum`` to 0.
-Buckets smaller than the daemon's ``dense_threshold`` travel dense (codec ``none``, which has no
-momentum); for those the adapter applies the same momentum locally, on the averaged gradient, so no
-tensor silently loses its momentum. Weight decay stays in SGD and is therefore added after the
-reduction (outside the momentum), unlike torch's SGD with momentum; Nesterov and dampening are
-refused.
+Optimizer recipes (``momentum_in_codec=None``, automatic)
+---------------------------------------------------------
+Compressing a gradient and then letting the optimizer build its momentum (and Adam's second
+moment) from the decompressed average loses quality: a sparse or 1-bit average is a poor input
+to a running average of squares, and momentum built *after* the compression cannot carry what
+error feedback delays. So, for a compressing codec with a ``momentum`` parameter (``marsit``,
+``signcascade``, ``topk``, ``dgc``, ``randomk`` (error feedback turned on), ``efsign``, ``bird``,
+``birdplus``), the adapter recognises torch's optimizers and arranges, per param group:
+
+``torch.optim.SGD`` with ``momentum > 0``
+    The momentum moves into the codec (its ``momentum`` parameter; the daemon keeps it per
+    tensor, accumulated *before* compression, DGC's momentum correction, Lin et al. 2018 section
+    3.2) and the group's ``momentum`` becomes 0: SGD steps on the codec's result. ``dampening`` d
+    is applied exactly (the result times 1 - d); ``nesterov=True`` is refused (a compressed
+    Nesterov look-ahead would need the dense gradient the codec does not send).
+``torch.optim.Adam`` / ``AdamW``
+    In the spirit of 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022): the first
+    ``warmup_steps`` steps travel dense and Adam runs as usual; then the second moment is frozen
+    (``exp_avg_sq`` stops changing, its bias correction stays that of the last warm-up step),
+    the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
+    feedback or Marsit's compensation) and the adapter updates
+    ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)`` with ``m = (1 - beta1) * result + carry``.
+    Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam.
+
+Momentum accumulated before the switch (warm-up, or a restored checkpoint) is not lost: it is the
+*carry*, decaying by the momentum factor each step and added to the codec's result, since the
+codec's own momentum starts from zero. Buckets smaller than the daemons' ``dense_threshold``
+travel dense (codec ``none``, no momentum): SGD's momentum is applied by the adapter on the
+averaged gradient, and Adam steps on them as usual. Weight decay stays in SGD and is added after
+the reduction (outside the momentum), unlike torch's SGD with momentum. Other optimizers, and
+codecs without a ``momentum`` parameter, are left as they are, with a warning that the optimizer
+steps on the decompressed average. ``momentum_in_codec=False``: nothing is arranged (the optimizer
+steps on the decompressed average; ``warmup_steps`` still applies when given).
+``momentum_in_codec=True``: the same as automatic, but a group without a usable codec is an error.
+
+Every quantity above is computed from the all-reduced results, which are bit-identical on every
+process, in the same order: every process ends with bit-identical parameters.
+
+Checkpoints: ``state_dict()`` holds the frozen second moment (``exp_avg_sq``), the current first
+moment or SGD momentum estimate (``exp_avg`` / ``birdnet_momentum_buffer``), the carry and each
+group's ``birdnet_step``. The codec state in the daemon (its momentum, error-feedback residual,
+compensation) is not in it: after ``load_state_dict`` (or when a restored state is wrapped) the
+adapter resets the job's codec state on its first submission (a collective round) and restarts
+the carry from the saved momentum estimate; only the residual not yet sent is lost.
 """
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -88,6 +121,18 @@ __all__ = [
 #: default bucket size: large enough to amortise a round's fixed cost (a start/go exchange round
 #: the ring), small enough that the first bucket is ready early in backward
 BUCKET_BYTES = 4 << 20
+
+#: automatic uncompressed warm-up of Adam / AdamW: the steps whose averaged gradients estimate the
+#: second moment before it is frozen (32 steps: the relative error of a mean of squares of 32
+#: samples, about 25 %, becomes about 12 % in the step size through the square root)
+ADAM_WARMUP_STEPS = 32
+
+#: codecs with a ``momentum`` parameter (momentum correction kept in the daemon)
+MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", "efsign", "bird", "birdplus"})
+#: codecs that change gradients too little to need a recipe
+_PLAIN_CODECS = frozenset({"none", "fp16"})
+#: a carry below this weight (momentum ** steps since the switch) is dropped
+_CARRY_FLOOR = 1e-6
 
 _default_client: Client | None = None
 
@@ -173,8 +218,8 @@ class _DistributedOptimizer:
     """Mixed into a subclass of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _birdnet_setup(self, named_parameters, codec, codec_params, bucket_bytes, client: Client,
-                       momentum_in_codec: bool, backward_passes_per_step: int, timeout: float | None,
-                       overlap: bool) -> None:
+                       momentum_in_codec: bool | None, warmup_steps: int | None,
+                       backward_passes_per_step: int, timeout: float | None, overlap: bool) -> None:
         self._bn_client = client
         self._bn_codec, self._bn_codec_params = codec, dict(codec_params or {})
         self._bn_timeout = timeout
@@ -182,9 +227,29 @@ class _DistributedOptimizer:
         if self._bn_passes < 1:
             raise InputError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
         self._bn_lock = threading.RLock()
-        self._bn_local_momentum: dict[int, float] = {}  # group index -> momentum for dense buckets
-        if momentum_in_codec:
-            self._move_momentum_into_codec()
+        if momentum_in_codec not in (None, True, False):
+            raise InputError(f"momentum_in_codec must be None (automatic), True or False, not {momentum_in_codec!r}")
+        if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+                                         or warmup_steps < 0):
+            raise InputError(f"warmup_steps must be None (automatic) or an integer >= 0, not {warmup_steps!r}")
+        self._bn_mode = momentum_in_codec
+        #: group index -> ("sgd" | "adam", momentum or beta1, dampening) for the arranged groups
+        self._bn_recipe: dict[int, tuple[str, float, float]] = {}
+        if momentum_in_codec is not False:
+            self._arrange()
+        if warmup_steps is None:
+            warmup_steps = ADAM_WARMUP_STEPS if any(r[0] == "adam" for r in self._bn_recipe.values()) else 0
+        if warmup_steps == 0 and any(r[0] == "adam" for r in self._bn_recipe.values()):
+            raise InputError("Adam/AdamW with a compressing codec needs an uncompressed warm-up to estimate its "
+                             "second moment before it is frozen: warmup_steps must be at least 1 "
+                             f"(None = automatic, {ADAM_WARMUP_STEPS})")
+        #: steps that travel dense before compression starts (resolved from ``warmup_steps``)
+        self.birdnet_warmup_steps = int(warmup_steps)
+        #: True while the last synchronize() sent the compressing groups dense (the warm-up)
+        self.birdnet_warming_up = False
+        self._bn_synced = False
+        self._bn_reset_pending = False
+        self._bn_denom: dict[int, torch.Tensor] = {}  # id(param) -> sqrt(v_frozen / bc2) + eps
         names = self._parameter_names(named_parameters)
         self._bn_buckets = self._make_buckets(names, int(bucket_bytes))
         self._bn_of: dict[int, _Bucket] = {}
@@ -200,24 +265,66 @@ class _DistributedOptimizer:
         self.last_stats: list[dict[str, Any]] = []
 
     # -- construction -----------------------------------------------------------------------------
-    def _move_momentum_into_codec(self) -> None:
+    def _kind(self) -> str | None:
+        if isinstance(self, torch.optim.SGD):
+            return "sgd"
+        if isinstance(self, (torch.optim.Adam, torch.optim.AdamW)):
+            return "adam"
+        return None
+
+    def _arrange(self) -> None:
+        """Decide each param group's recipe (module docstring); idempotent, so it runs again after
+        ``load_state_dict`` (a checkpoint of the plain optimizer carries its momentum back)."""
+        explicit = self._bn_mode is True
+        kind = self._kind()
         for gi, g in enumerate(self.param_groups):
-            m = float(g.get("momentum", 0.0) or 0.0)
-            if m == 0.0:
-                continue
-            if g.get("nesterov") or g.get("dampening", 0.0):
-                raise InputError(f"param group {gi}: momentum_in_codec supports plain momentum only "
-                                 "(nesterov=False, dampening=0)")
             codec = g.get("birdnet_codec", self._bn_codec)
-            if codec is None:
-                raise InputError(f"param group {gi}: momentum_in_codec=True needs a momentum-correction codec "
-                                 "(codec='dgc', 'topk', 'randomk', 'bird' or 'birdplus'), given as codec= or "
-                                 "the group's 'birdnet_codec'")
             params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {})
+            if kind == "sgd":
+                m = float(g.get("momentum", 0.0) or 0.0)
+                if gi in self._bn_recipe:
+                    m = m or self._bn_recipe[gi][1]
+                if m == 0.0:
+                    continue
+            what = f"param group {gi} ({type(self).__mro__[2].__name__})"
+            if codec is None or codec in _PLAIN_CODECS:
+                if explicit:
+                    raise InputError(f"{what}: momentum_in_codec=True needs a momentum-correction codec "
+                                     "(codec='marsit', 'topk', 'dgc', 'randomk', 'bird' or 'birdplus'), given as "
+                                     "codec= or the group's 'birdnet_codec'")
+                continue  # dense, fp16 or the daemons' default: the optimizer runs as it is
+            usable = codec in MOMENTUM_CODECS and not (codec == "randomk" and params.get("error_feedback") is False)
+            if kind is None or not usable:
+                if explicit:
+                    raise InputError(f"{what}: momentum_in_codec=True needs torch.optim.SGD, Adam or AdamW and a "
+                                     f"codec with a momentum parameter ({', '.join(sorted(MOMENTUM_CODECS))}); "
+                                     f"got codec {codec!r}")
+                reason = (f"birdnet does not know {type(self).__mro__[2].__name__}" if kind is None
+                          else f"codec {codec!r} has no momentum parameter")
+                warnings.warn(f"birdnet DistributedOptimizer, {what}: {reason}, so nothing is arranged: the "
+                              f"optimizer steps on the decompressed average of the {codec!r}-compressed gradients "
+                              "and builds its momentum/statistics from it, which may converge worse than dense "
+                              "(use SGD, Adam or AdamW with a codec that has a momentum parameter for the "
+                              "automatic recipe)", stacklevel=4)
+                continue
+            if kind == "sgd":
+                if g.get("nesterov"):
+                    raise InputError(f"{what}: nesterov=True cannot move into a compressing codec (the look-ahead "
+                                     "needs the dense gradient); use nesterov=False, or momentum_in_codec=False to "
+                                     "keep Nesterov momentum in SGD on the decompressed average")
+                damp = float(g.get("dampening", 0.0) or 0.0)
+                g["momentum"] = 0.0
+                self._bn_recipe[gi] = ("sgd", m, damp)
+            else:
+                beta1 = float(g["betas"][0])
+                if not 0.0 < beta1 < 1.0:
+                    continue  # no first moment to move
+                m = beta1
+                self._bn_recipe[gi] = ("adam", beta1, 0.0)
+            if codec == "randomk":
+                params.setdefault("error_feedback", True)
             params["momentum"] = m
             g["birdnet_codec"], g["birdnet_codec_params"] = codec, params
-            g["momentum"] = 0.0
-            self._bn_local_momentum[gi] = m
 
     def _parameter_names(self, named_parameters) -> dict[int, str]:
         names: dict[int, str] = {}
@@ -268,6 +375,7 @@ class _DistributedOptimizer:
     def _grad_ready(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: runs right after autograd wrote ``p.grad``."""
         with self._bn_lock:
+            self._bn_synced = False
             b = self._bn_of[id(p)]
             c = self._bn_counts.get(id(p), 0) + 1
             self._bn_counts[id(p)] = c
@@ -309,10 +417,22 @@ class _DistributedOptimizer:
         for ev in b.events:  # pragma: no cover - CUDA only
             ev.synchronize()
         b.events.clear()
+        if self._bn_reset_pending:
+            # a restored state: the daemons' codec state (momentum, residuals) belongs to another
+            # history; every process submits its first bucket after load_state_dict, so this
+            # collective round is called by all of them at the same point
+            self._bn_reset_pending = False
+            self._bn_client.reset_state(self._bn_timeout)
         g = self.param_groups[b.group]
         codec = g.get("birdnet_codec", self._bn_codec)
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
+        if self._warming_up(g):
+            codec, params = "none", {}
         b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
+
+    def _warming_up(self, g: dict[str, Any]) -> bool:
+        codec = g.get("birdnet_codec", self._bn_codec)
+        return codec not in _PLAIN_CODECS and int(g.get("birdnet_step", 0)) < self.birdnet_warmup_steps
 
     @staticmethod
     def _name_of(b: _Bucket, p: torch.Tensor) -> str:
@@ -331,6 +451,7 @@ class _DistributedOptimizer:
             try:
                 self._submit_ready()
                 stats = []
+                self.birdnet_warming_up = any(self._warming_up(g) for g in self.param_groups)
                 for b in self._bn_buckets:
                     h = b.handle
                     if h is None:  # pragma: no cover - every bucket was staged above
@@ -338,10 +459,14 @@ class _DistributedOptimizer:
                     h.wait(self._bn_timeout)
                     b.handle = None
                     stats.append(dict(h.stats, name=b.name))
-                    m = self._bn_local_momentum.get(b.group) if h.stats.get("codec") == "none" else None
+                    recipe = self._bn_recipe.get(b.group)
+                    coded = h.stats.get("codec") not in (None, "none")
                     for _n, p, _o, _k in b.entries:
-                        self._unstage(b, p, m)
+                        self._unstage(b, p)
+                        if recipe is not None and p.grad is not None:
+                            self._apply_recipe(p, recipe, coded)
                 self.last_stats = stats
+                self._bn_synced = True
             finally:
                 self._reset_step()
 
@@ -361,17 +486,8 @@ class _DistributedOptimizer:
         self._bn_counts.clear()
         self._bn_next = 0
 
-    def _unstage(self, b: _Bucket, p: torch.Tensor, momentum: float | None) -> None:
+    def _unstage(self, b: _Bucket, p: torch.Tensor) -> None:
         view = b.views[id(p)]
-        if momentum is not None:
-            # a dense bucket of a momentum_in_codec group: the momentum the codec would have applied
-            st = self.state[p]
-            buf = st.get("birdnet_momentum_buffer")
-            if buf is None:
-                buf = st["birdnet_momentum_buffer"] = view.detach().to(p.device, p.dtype, copy=True)
-            else:
-                buf.mul_(momentum).add_(view.to(buf.device, buf.dtype))
-            view.copy_(buf)
         g = p.grad
         if g is not None and g.device == view.device and g.data_ptr() == view.data_ptr():
             return  # autograd accumulated straight into shared memory; the result is already there
@@ -382,15 +498,120 @@ class _DistributedOptimizer:
         else:
             g.copy_(view, non_blocking=p.device.type == "cuda")
 
+    @torch.no_grad()
+    def _apply_recipe(self, p: torch.Tensor, recipe: tuple[str, float, float], coded: bool) -> None:
+        """Turn the averaged result in ``p.grad`` into the momentum the wrapped optimizer (SGD)
+        or the frozen-variance update (Adam) steps on. Runs on identical inputs on every process."""
+        kind, beta, damp = recipe
+        st = self.state[p]
+        grad = p.grad
+        if kind == "sgd":
+            key = "birdnet_momentum_buffer"
+            if not coded:  # a dense bucket (or the warm-up): the momentum the codec would have applied
+                buf = st.get(key)
+                if buf is None:
+                    buf = st[key] = grad.detach().clone()  # torch's SGD: the first buffer is the gradient
+                else:
+                    buf.mul_(beta).add_(grad, alpha=1.0 - damp)
+                grad.copy_(buf)
+                return
+            if damp:
+                grad.mul_(1.0 - damp)
+        else:
+            key = "exp_avg"
+            if not coded:
+                return  # Adam steps on the dense average as usual
+            grad.mul_(1.0 - beta)
+        if not st.get("birdnet_coded"):
+            # the switch to compression: the momentum so far keeps decaying beside the codec's,
+            # which starts from zero
+            st["birdnet_coded"] = True
+            est = st.get(key)
+            if kind == "adam":
+                if est is None or "exp_avg_sq" not in st:
+                    raise InputError(f"parameter of shape {tuple(p.shape)} reached the compressed phase without "
+                                     "Adam state from a dense warm-up (warmup_steps); a checkpoint of a run that "
+                                     "never warmed up cannot be continued compressed")
+                est = est / (1.0 - beta ** float(st["step"]))  # bias-corrected first moment
+            if est is not None:
+                st["birdnet_carry"], st["birdnet_carry_weight"] = est.clone(), 1.0
+        carry = st.get("birdnet_carry")
+        if carry is not None:
+            carry.mul_(beta)
+            grad.add_(carry)
+            st["birdnet_carry_weight"] = float(st["birdnet_carry_weight"]) * beta
+            if st["birdnet_carry_weight"] < _CARRY_FLOOR:
+                del st["birdnet_carry"], st["birdnet_carry_weight"]
+        # the current momentum estimate: what a checkpoint restarts the carry from
+        est = st.get(key)
+        if est is None or est.shape != grad.shape:
+            st[key] = grad.detach().clone()
+        else:
+            est.copy_(grad)
+
+    def _restart_carry(self) -> None:
+        """After a restore: the saved momentum estimate becomes the carry, and the daemons' codec
+        state is reset before the next submission."""
+        for gi, (kind, _beta, _damp) in self._bn_recipe.items():
+            key = "birdnet_momentum_buffer" if kind == "sgd" else "exp_avg"
+            for p in self.param_groups[gi]["params"]:
+                st = self.state.get(p)
+                if st and st.get("birdnet_coded") and st.get(key) is not None:
+                    st["birdnet_carry"], st["birdnet_carry_weight"] = st[key].detach().clone(), 1.0
+                    self._bn_reset_pending = True
+        self._bn_denom.clear()
+
+    def load_state_dict(self, state_dict) -> None:
+        """The wrapped optimizer's ``load_state_dict``, then the recipe is arranged again and the
+        carry restarted from the saved momentum (see Checkpoints in the module docstring)."""
+        super().load_state_dict(state_dict)
+        if self._bn_mode is not False:
+            self._arrange()
+        self._restart_carry()
+
     def step(self, closure=None):
-        """Wait for the gradients' all-reduce, then step the wrapped optimizer."""
+        """Wait for the gradients' all-reduce (unless :meth:`synchronize` was called since the
+        last backward, e.g. to clip the averaged gradients), then step the wrapped optimizer."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
-        super().step()
+        if not self._bn_synced:
+            self.synchronize()
+        self._bn_synced = False
+        frozen = [(gi, p) for gi, (kind, _b, _d) in self._bn_recipe.items() if kind == "adam"
+                  for p in self.param_groups[gi]["params"]
+                  if p.grad is not None and self.state.get(p, {}).get("birdnet_coded")]
+        grads = [p.grad for _gi, p in frozen]
+        for _gi, p in frozen:
+            p.grad = None  # Adam skips them: the frozen-variance update below is theirs
+        try:
+            super().step()
+        finally:
+            for (_gi, p), gr in zip(frozen, grads):
+                p.grad = gr
+        for gi, p in frozen:
+            self._frozen_adam_update(self.param_groups[gi], p)
+        for g in self.param_groups:
+            g["birdnet_step"] = int(g.get("birdnet_step", 0)) + 1
         return loss
+
+    @torch.no_grad()
+    def _frozen_adam_update(self, g: dict[str, Any], p: torch.Tensor) -> None:
+        st = self.state[p]
+        denom = self._bn_denom.get(id(p))
+        if denom is None:
+            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
+            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
+            denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
+        d = -p.grad if g.get("maximize") else p.grad
+        lr, wd = float(g["lr"]), float(g["weight_decay"])
+        if wd:
+            if isinstance(self, torch.optim.AdamW) or g.get("decoupled_weight_decay"):
+                p.mul_(1.0 - lr * wd)
+            else:
+                d = d + wd * p  # Adam's L2 term, outside the momentum (as for SGD)
+        p.addcdiv_(d, denom, value=-lr)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the optimizer then no longer all-reduces)."""
@@ -402,8 +623,8 @@ class _DistributedOptimizer:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          codec: str | None = None, codec_params: Mapping[str, Any] | None = None, *,
                          bucket_bytes: int = BUCKET_BYTES, client: Client | None = None,
-                         socket: str | None = None, job: str = "default", momentum_in_codec: bool = False,
-                         backward_passes_per_step: int = 1, timeout: float | None = None,
+                         socket: str | None = None, job: str = "default", momentum_in_codec: bool | None = None,
+                         warmup_steps: int | None = None, backward_passes_per_step: int = 1, timeout: float | None = None,
                          overlap: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so gradients are averaged over all processes of the job before each step.
 
@@ -414,7 +635,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     Parameters
     ----------
     optimizer : torch.optim.Optimizer
-        Any optimizer; with ``momentum_in_codec`` an SGD-style one (param groups with ``momentum``).
+        Any optimizer; torch's SGD, Adam and AdamW get the automatic recipe (module docstring).
     named_parameters : iterable of (str, Tensor), optional
         ``model.named_parameters()``: gives every bucket a stable, readable name (the daemon keys
         codec state by name). Without it parameters are named by group and position.
@@ -425,8 +646,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         Largest bucket in bytes (a single larger parameter gets a bucket of its own).
     client : Client, optional
         The connection to use; else one from :func:`init` (``socket``, ``job``).
-    momentum_in_codec : bool
-        Move SGD momentum into the codec (see the module docstring).
+    momentum_in_codec : bool or None
+        None (default): automatic, the recipe for SGD, Adam and AdamW with a compressing codec that
+        has a momentum parameter, a warning for other optimizers. True: the same, and an error
+        where no recipe applies. False: nothing arranged (the optimizer steps on the decompressed
+        average).
+    warmup_steps : int or None
+        Steps whose gradients travel dense before compression starts (counted per param group in
+        ``"birdnet_step"``, which checkpoints carry). None: automatic, ``ADAM_WARMUP_STEPS`` (32)
+        when an Adam/AdamW group is arranged, else 0.
     backward_passes_per_step : int
         Backward passes accumulated locally before the all-reduce (gradient accumulation).
     timeout : float, optional
@@ -444,7 +672,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)  # the same param_groups and state objects, not copies
     dist._birdnet_setup(named_parameters, codec, codec_params, bucket_bytes, client, momentum_in_codec,
-                        backward_passes_per_step, timeout, overlap)
+                        warmup_steps, backward_passes_per_step, timeout, overlap)
+    dist._restart_carry()  # a restored state wrapped: its codec state is not in the daemons
     return dist
 
 

@@ -157,6 +157,33 @@ def test_bench_train_writes_results_per_codec_and_seed(tmp_path):
     assert summary["marsit"]["mb_sent_per_worker"] < summary["none"]["mb_sent_per_worker"] / 4
 
 
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("task,codecs", [("cnn", "none,marsit"), ("lm", "birdplus:density=0.01")])
+def test_bench_train_torch_tasks_smoke(tmp_path, task, codecs):
+    """--task cnn / lm: a few steps through the PyTorch adapter (the smoke CI runs; the real
+    benchmark is minutes per configuration)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    res = tmp_path / "train.json"
+    p = birdnet("bench", "train", "--task", task, "--nodes", "2", "--codecs", codecs, "--seeds", "0",
+                "--steps", "4", "--eval-every", "2", "--adapter", '{"warmup_steps": 2}', "--json", str(res),
+                "--plot", str(tmp_path / "p"), timeout=360)
+    data = json.loads(res.read_text())
+    metric = "accuracy" if task == "cnn" else "val_loss"
+    assert data["meta"]["metric"] == metric and metric in p.stdout
+    for r in data["runs"]:
+        assert r["identical_on_all_nodes"], r["codec"]
+        assert [h["step"] for h in r["history"]] == [2, 4] and r["bytes_sent"] > 0
+        assert np_isfinite(r[metric])
+        if r["codec"] != "none":
+            assert r["warmup_steps"] == 2 and 0 < r["warmup_bytes"] < r["bytes_sent"]
+    assert (tmp_path / "p_steps.png").exists() and (tmp_path / "p_bytes.png").exists()
+
+
+def np_isfinite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
 @pytest.mark.timeout(300)
 def test_bench_codecs_reports_ratio_and_error():
     p = birdnet("bench", "codecs", "--sizes", "100000", "--densities", "0.01", "--codecs", "topk,birdplus,marsit",
