@@ -106,6 +106,20 @@ class Settings:
             bad("dense_threshold must be >= 0")
 
     @property
+    def round_wait_timeout(self) -> float:
+        """round_timeout + peer_timeout: the longest a node waits on a round another node may still be
+        agreeing (the leader waits up to round_timeout for every node's processes, and its verdict
+        then takes up to peer_timeout to come round). Bounds a follower's wait for ``go``, a lane
+        round's wait for data, a round never started, and how long an aborted round is remembered."""
+        return self.round_timeout + self.peer_timeout
+
+    @property
+    def pass_go_timeout(self) -> float:
+        """2 x peer_timeout: how long a node with no part in a round waits to pass its ``go`` on
+        (the start it passed has a ring to go round, then the go comes back)."""
+        return 2 * self.peer_timeout
+
+    @property
     def socket_path(self) -> str:
         return self.socket or default_socket_path()
 

@@ -14,15 +14,19 @@ frame    content                     checks on receipt (before anything is alloc
                                      refuses oversized frames before allocating them)
 =======  ==========================  ===============================================================
 
-Peer messages (birdnet.daemon.peers) then pass :func:`check_peer`: the header keys of
-``PEER_FIELDS`` that have a meaning of their own (round key, origin rank, incarnation, reasons) are
-checked or made safe once, there, so no handler downstream meets a forged rank or a log-injecting
-string.
+Peer messages (birdnet.daemon.peers) then pass :func:`check_peer`: the header keys that have a
+meaning of their own (round key, origin rank, incarnation, reasons; the check column of
+:data:`HEADER_KEYS`) are checked or made safe once, there, so no handler downstream meets a forged
+rank or a log-injecting string.
 
 Buffers are handed to ZeroMQ as they are (large ones without copying: peers.send_frames) and received
 as zero-copy ``memoryview`` s.
-Header keys used by every message: ``t`` (message type). Everything else depends on ``t``; see
-birdnet.daemon.peers and birdnet.daemon.service for the types.
+
+Every header has ``t`` (message type), ``nbuf`` and ``sizes``. The keys of peer messages are listed
+once, in :data:`HEADER_KEYS` (which messages carry each and what it means); the message types are
+in birdnet.daemon.peers, their records (built once from a received header) in birdnet.messages.
+The client socket's messages (hello, welcome, alloc, shm, submit, done, error, status, bye) are
+described in birdnet.daemon.service.
 """
 from __future__ import annotations
 
@@ -37,6 +41,56 @@ from birdnet import PROTOCOL_VERSION
 from birdnet.errors import ProtocolError, VersionMismatchError
 
 PROTOCOL_ID = f"birdnet/{PROTOCOL_VERSION}".encode()
+
+#: Every key a peer message's header may carry: key -> (the messages that carry it, the check
+#: :func:`check_peer` makes of it where bytes become a message, what it is). Checks: ``key`` a round
+#: key "job/seq"; ``rank`` a rank of the ring; ``int`` an integer (its range is the handler's, which
+#: names the difference); ``count`` a non-negative integer; ``token`` a printable word (logged);
+#: ``text`` made printable (shown to users and logged). Keys are short because a dense round sends
+#: 2(N-1) headers per node; this table is their legend.
+HEADER_KEYS: dict[str, tuple[str, str, str]] = {
+    "t": ("all", "", "message type"),
+    "nbuf": ("all", "", "number of buffer frames after the header"),
+    "sizes": ("all", "", "byte length of each buffer frame"),
+    "q": ("all peer messages", "count", "number on this connection, one more than the last (a jump: messages lost)"),
+    "k": ("start go abort lane data", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
+    "proto": ("ping", "", "PROTOCOL_VERSION of the sender"),
+    "cw": ("ping", "", "the sender's cluster-wide settings (Settings.cluster_wide)"),
+    "world": ("ping", "int", "nodes in the sender's hosts file"),
+    "rank": ("ping pong", "int", "the sender's rank in the hosts file"),
+    "inc": ("ping pong", "token", "the sender's incarnation (a new one after every restart)"),
+    "lost": ("ping", "", "ranks the sender believes lost"),
+    "ep": ("ping pong start go", "count", "elastic: membership epoch"),
+    "want": ("ping pong", "", "elastic: the sender has rounds waiting (wants to be in the ring)"),
+    "reason": ("refuse abort", "text", "why (a message for the error or the log)"),
+    "descs": ("start", "", "[[rank, round description], ...], one per node the start passed"),
+    "more": ("start go", "", "the batch's other rounds: [[key, descs], ...] in a start, verdicts in a go"),
+    "ok": ("go", "", "the leader's verdict on round k: it runs"),
+    "err": ("go data", "text", "go: why round k fails; data: the error a node found (travels with the data)"),
+    "errc": ("go", "", "the error class round k fails with"),
+    "counts": ("go", "", "process count per ring position"),
+    "lane": ("go", "", "[job, seq]: the round the dense lane opens for"),
+    "o": ("abort", "rank", "origin: the rank that failed the round first (fixed ring)"),
+    "c": ("abort data", "", "abort: the error class of the origin; data: dense ring chunk index"),
+    "retry": ("abort", "", "elastic: start the round again on the re-formed ring instead of failing it"),
+    "req": ("lane", "text", "a node asks the leader to close the lane (why)"),
+    "ln": ("data", "", "1: the data of a lane round (started without an agreement)"),
+    "S": ("start go", "", "elastic: the sorted ranks of the live ring"),
+    "L": ("start go", "", "elastic: the leader's rank"),
+    "J": ("start go", "", "elastic: joiners being admitted"),
+    "I": ("start go", "", "elastic: str(rank) -> incarnation of each member"),
+    "p": ("data", "", "ring phase: rs / ag (dense), gather, mrs / mag (merged)"),
+    "s": ("data", "", "ring step"),
+    "n": ("data", "", "dense lane: process count summed so far round the ring; merged ring: tensor size"),
+    "codec": ("data", "", "merged ring: the codec's name"),
+    "tag": ("data", "", "what every node must agree on for the round (checked at each hop)"),
+    "src": ("data", "", "all-gather: whose payload this is"),
+    "h": ("data", "", "all-gather: the payload's own header"),
+    "seg": ("data", "", "merged ring: segment index"),
+    "w": ("data", "", "merged ring: the weight (nodes merged so far) the bits stand for"),
+    "scale": ("data", "", "merged ring: the scale of rank src"),
+    "meta": ("data", "", "merged ring: the codec's per-segment metadata"),
+}
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BUFFERS = 64
 
@@ -115,16 +169,7 @@ def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], li
 MAX_KEY_CHARS = 512
 MAX_TEXT_CHARS = 4096
 #: header keys of peer messages with a meaning of their own -> what they must be (check_peer)
-PEER_FIELDS: dict[str, str] = {
-    "k": "key",  # a round key "job/seq" (every start, go, abort, data and lane)
-    "o": "rank",  # the node that failed a round first: an abort travels until it is next to it
-    "rank": "int",  # a ping's or pong's sender (its range is the ping check's: it names the difference)
-    "world": "int",
-    "q": "count",  # a connection's message number
-    "ep": "count",  # elastic membership epoch
-    "inc": "token",  # the sender's incarnation: logged, so printable without spaces
-    "reason": "text", "req": "text", "err": "text",  # shown to users and logged
-}
+PEER_FIELDS: dict[str, str] = {k: check for k, (_m, check, _w) in HEADER_KEYS.items() if check}
 #: message types whose round key is required
 KEYED = frozenset(("start", "go", "abort", "data", "lane"))
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")

@@ -60,8 +60,8 @@ from birdnet.errors import (
     ProtocolError,
     RoundTimeoutError,
     ShutdownError,
-    from_wire,
 )
+from birdnet.messages import Abort, Membership, extend_batch, verdicts_of_go
 
 log = logging.getLogger("birdnet.elastic")
 
@@ -380,8 +380,9 @@ class ElasticTransport(RoundTransport):
             h, frm = msg["h"], msg.get("from")
             if frm not in self.members:
                 continue
-            if h.get("t") == "abort" and h.get("k") in (self.key, None):
-                raise RoundAborted(str(h.get("reason")))
+            a = Abort.from_header(h) if h.get("t") == "abort" else None
+            if a is not None and a.key in (self.key, None):
+                raise RoundAborted(a.reason)
             if frm != self.left_rank:
                 continue
             if h.get("t") == "start":
@@ -398,15 +399,6 @@ class ElasticTransport(RoundTransport):
         gap = self.net.take_gap_from(self.left_rank)
         if gap:
             raise PeerLostError(f"round {self.key}: {gap}; this call failed, the next one runs afresh")
-
-
-def _ranks(x: Any, world: int) -> list[int] | None:
-    """A sorted list of distinct ranks, or None."""
-    if not isinstance(x, list) or not x or not all(isinstance(r, int) and not isinstance(r, bool) for r in x):
-        return None
-    if x != sorted(set(x)) or x[0] < 0 or x[-1] >= world:
-        return None
-    return x
 
 
 class ElasticRingWorker(RingWorker):
@@ -443,9 +435,12 @@ class ElasticRingWorker(RingWorker):
             except queue.Empty:
                 return
 
-    def _abort(self, key: str, reason: str, retry: bool = False) -> None:
+    def _abort(self, key: str, reason: str, origin: int | None = None, cls: str | None = None, *,
+               retry: bool = False) -> None:
+        """Tell the next live node round ``key`` failed (``retry``: start it again on the re-formed
+        ring). Elastic aborts travel the round's ring, without an origin or an error class."""
         try:
-            self.net.send({"t": "abort", "k": key, "reason": reason, "retry": retry}, to=self.next_rank)
+            self.net.send(Abort(key, reason, retry=retry).header(), to=self.next_rank)
         except Exception:  # noqa: BLE001
             pass
 
@@ -562,10 +557,11 @@ class ElasticRingWorker(RingWorker):
             if msg is None or msg.get("from") not in ring:
                 continue
             h = msg["h"]
-            if h.get("t") == "abort" and h.get("k") == key:
-                if h.get("retry") is True:
-                    raise _Retry(str(h.get("reason")))
-                raise RoundAborted(str(h.get("reason")))
+            a = Abort.from_header(h) if h.get("t") == "abort" else None
+            if a is not None and a.key == key:
+                if a.retry:
+                    raise _Retry(a.reason)
+                raise RoundAborted(a.reason)
             if msg["from"] != prev:
                 continue
             if h.get("t") == want and h.get("k") == key:
@@ -589,7 +585,7 @@ class ElasticRingWorker(RingWorker):
         key = self.order[0]
         log.warning("round %s: %s; asking the leader rank %d to start it again", key, gap, leader)
         try:
-            self.net.send({"t": "abort", "k": key, "reason": f"rank {self.rank}: {gap}", "retry": True}, to=leader)
+            self.net.send(Abort(key, f"rank {self.rank}: {gap}", retry=True).header(), to=leader)
         except PeerLostError:
             pass  # the leader is not reachable: its loss is handled as such
 
@@ -607,8 +603,8 @@ class ElasticRingWorker(RingWorker):
         if gap:
             raise PeerLostError(f"round {key}: {gap}")
 
-    def _lead(self, rnd: LocalRound, heard: set[int]) -> None:  # type: ignore[override]
-        ring, ep, joiners, incs = self._proposal(heard)
+    def _lead(self, rnd: LocalRound, heard: set[int] | None = None) -> None:
+        ring, ep, joiners, incs = self._proposal(self.net.alive() if heard is None else heard)
         key = rnd.key
         if 2 * len(ring) <= self.world:
             # not enough nodes want to take part yet (restarted without their processes): wait
@@ -621,22 +617,16 @@ class ElasticRingWorker(RingWorker):
         deadline = rnd.ready_at + self.settings.round_timeout
         since = self.net.neighbour_restarts
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
-        member = {"ep": ep, "S": ring, "L": self.rank, "J": joiners, "I": incs}
+        member = Membership(ep, tuple(ring), self.rank, tuple(joiners), incs).fields()
         try:
             self.net.send({"t": "start", "k": key, **member, "descs": [[self.rank, self._own_desc(rnd)]],
                            "more": [[k, [[self.rank, self._own_desc(self.ready[k])]]] for k in extras]},
                           to=self.next_rank)
             h = self._wait_elastic("start", key, deadline, ring, order[-1], since)
-            verdicts = [self._verdict(key, self._check_ring_descs(h.get("descs"), key, order))]
-            more = h.get("more") if isinstance(h.get("more"), list) else []
-            for item in more:
-                if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                        or item[0] not in self.ready or item[0] not in extras):
-                    raise ProtocolError(f"round {key}: malformed batch in the start message")
-                verdicts.append(self._verdict(item[0], self._check_ring_descs(item[1], item[0], order)))
-            v0 = verdicts[0]
-            self.net.send({"t": "go", "k": key, **member, "ok": v0[1], "err": v0[2], "errc": v0[3],
-                           "counts": v0[4], "more": [list(v) for v in verdicts[1:]]}, to=self.next_rank)
+            verdicts = self._verdicts_of_start(h, key, extras,
+                                               lambda descs, k: self._check_ring_descs(descs, k, order))
+            self.net.send({"t": "go", **member, **verdicts[0].go_fields(),
+                           "more": [v.to_wire() for v in verdicts[1:]]}, to=self.next_rank)
         except (_Retry, PeerLostError) as exc:
             if isinstance(exc, RoundAborted):
                 self._abort(key, f"rank {self.rank}: {exc}")
@@ -652,7 +642,7 @@ class ElasticRingWorker(RingWorker):
             self._finish(rnd, exc)
             return
         self._apply(ep, ring, self.rank, incs)
-        self._run_ring_batch(verdicts, ring, since)
+        self._run_batch(verdicts, since)
 
     def _check_ring_descs(self, descs: Any, key: str, order: list[int]) -> list[tuple[int, dict[str, Any]]]:
         if (not isinstance(descs, list) or len(descs) != len(order)
@@ -710,13 +700,12 @@ class ElasticRingWorker(RingWorker):
     def _follow_elastic(self, msg: dict) -> None:
         h, frm = msg["h"], msg.get("from")
         key, descs = h.get("k"), h.get("descs")
-        ring, ep, leader = _ranks(h.get("S"), self.world), h.get("ep"), h.get("L")
-        joiners = h.get("J") if isinstance(h.get("J"), list) else []
-        if (not isinstance(key, str) or not isinstance(descs, list) or ring is None or self.rank not in ring
-                or not isinstance(ep, int) or isinstance(ep, bool) or ep < self.epoch or leader not in ring
-                or frm != ring[ring.index(self.rank) - 1]):
+        m = Membership.from_header(h, self.world)
+        if (not isinstance(key, str) or not isinstance(descs, list) or m is None or self.rank not in m.ring
+                or m.epoch < self.epoch or frm != m.ring[m.ring.index(self.rank) - 1]):
             log.debug("ignored a start from rank %r: %r", frm, {k: h.get(k) for k in ("k", "ep", "S", "L")})
             return
+        ring, ep, leader, joiners = list(m.ring), m.epoch, m.leader, m.joiners
         pos = ring.index(self.rank)
         self.ring, self.next_rank = ring, ring[(pos + 1) % len(ring)]
         prev = ring[pos - 1]
@@ -749,7 +738,7 @@ class ElasticRingWorker(RingWorker):
                                           "error_class": "ProcessLostError"}])
                 self.net.send({**h, "descs": descs, "more": []}, to=self.next_rank)
                 try:
-                    g = self._wait_elastic("go", key, time.monotonic() + self.settings.peer_timeout * 2, ring, prev,
+                    g = self._wait_elastic("go", key, time.monotonic() + self.settings.pass_go_timeout, ring, prev,
                                            since)
                 except (BirdnetError, _Retry):
                     return
@@ -767,16 +756,10 @@ class ElasticRingWorker(RingWorker):
                 return
         rnd = self.ready[key]
         descs.append([self.rank, self._own_desc(rnd)])
-        more = h.get("more") if isinstance(h.get("more"), list) else []
-        kept = []
-        for item in more:
-            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                    or not isinstance(item[1], list) or item[0] not in self.ready):
-                break
-            kept.append([item[0], item[1] + [[self.rank, self._own_desc(self.ready[item[0]])]]])
+        kept = extend_batch(h.get("more"), self.ready, self._own_entry)
         self.net.send({**h, "descs": descs, "more": kept}, to=self.next_rank)
         try:
-            g = self._wait_elastic("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout,
+            g = self._wait_elastic("go", key, rnd.ready_at + self.settings.round_wait_timeout,
                                    ring, prev, since)
         except (_Retry, PeerLostError) as exc:
             if not isinstance(exc, RoundAborted):
@@ -801,33 +784,11 @@ class ElasticRingWorker(RingWorker):
                 self._finish(rnd, exc)
                 return
         self._apply(ep, ring, leader, g.get("I"))
-        verdicts = [[key, bool(g.get("ok")), g.get("err"), g.get("errc"), g.get("counts")]]
-        for v in g.get("more") if isinstance(g.get("more"), list) else []:
-            if isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and v[0] in self.ready:
-                verdicts.append(v)
-        for v in verdicts:
-            c = v[4]
-            if (not isinstance(c, list) or len(c) != len(ring)
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
-                v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
-                v[4] = [0] * len(ring)
-        self._run_ring_batch(verdicts, ring, since)
+        self._run_batch(verdicts_of_go(g, key, len(ring), self.ready), since)
 
-    def _run_ring_batch(self, verdicts: list[list[Any]], ring: list[int], since: int) -> None:
-        self.agreements += 1
-        failed: BirdnetError | None = None
-        for key, ok, err, errc, counts in verdicts:
-            rnd = self.ready.get(key)
-            if rnd is None:
-                continue
-            if not ok:
-                self._finish(rnd, from_wire({"error": errc or "RoundMismatchError", "message": str(err)}))
-            elif failed is not None:
-                self._abort(key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
-                self._finish(rnd, from_wire({"error": type(failed).__name__,
-                                             "message": f"an earlier round of the same batch failed: {failed}"}))
-            else:
-                counts = [int(c) for c in counts]
-                rnd.stats["contributors"] = [r for r, c in zip(ring, counts) if c > 0]
-                rnd.stats["epoch"] = self.epoch
-                failed = self._data_phase(rnd, ElasticTransport(self.net, key, ring, since), counts)
+    def _round_transport(self, key: str, since: int) -> ElasticTransport:
+        return ElasticTransport(self.net, key, self.ring, since)
+
+    def _note_contributors(self, rnd: LocalRound, counts: list[int]) -> None:
+        rnd.stats["contributors"] = [r for r, c in zip(self.ring, counts) if c > 0]
+        rnd.stats["epoch"] = self.epoch

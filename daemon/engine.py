@@ -25,14 +25,16 @@ the failure of an earlier round of its job is given up and agreed like the other
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from birdnet.daemon.peers import LaneGivenUp, RoundAborted, RoundTransport
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import pack_buffers
@@ -42,11 +44,13 @@ from birdnet.errors import (
     CodecError,
     InputError,
     PeerLostError,
+    ProtocolError,
     RoundTimeoutError,
     ShutdownError,
     StateLimitError,
     from_wire,
 )
+from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_go
 from birdnet.osutil import name_os_thread
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
@@ -98,6 +102,17 @@ class LocalRound:
 ANONYMOUS_PREFIX = "anonymous/"
 
 
+@dataclasses.dataclass
+class CodecState:
+    """One tensor's codec state in the :class:`StateStore`."""
+
+    codec_key: str  #: the codec's description and the tensor's size: a change starts a new state
+    state: Any
+    rounds: int  #: rounds since the state was made (the codec's ``tensor_round``)
+    nbytes: int
+    last_use: int  #: StateStore.uses when a round last asked for it (the least recently used goes first)
+
+
 class StateStore:
     """Codec state per (job, tensor name), with a memory cap (``state_limit_bytes``).
 
@@ -113,8 +128,7 @@ class StateStore:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        #: (job, name) -> [codec key, state, rounds since reset, bytes, last use]
-        self.states: dict[tuple[str, str], list[Any]] = {}
+        self.states: dict[tuple[str, str], CodecState] = {}
         self.uses = 0  #: codec rounds that asked for state: the clock of "least recently used"
         self.evicted = 0  #: states dropped to stay under the cap
         self.evicted_bytes = 0
@@ -127,9 +141,9 @@ class StateStore:
         key = (job, name)
         ckey = f"{sorted(codec.describe().items())!r}/{n}"
         cur = self.states.get(key)
-        if cur is not None and cur[0] == ckey:
-            cur[4] = self.uses
-            return cur[1], cur[2]
+        if cur is not None and cur.codec_key == ckey:
+            cur.last_use = self.uses
+            return cur.state, cur.rounds
         state = codec.new_state(n)
         nb = codec.state_nbytes(state)
         if nb > self.limit:
@@ -139,22 +153,22 @@ class StateStore:
         self.states.pop(key, None)
         total = self.total_bytes() + nb
         if total > self.limit:
-            for old_key, old in sorted(self.states.items(), key=lambda kv: kv[1][4]):
+            for old_key, old in sorted(self.states.items(), key=lambda kv: kv[1].last_use):
                 del self.states[old_key]
-                total -= old[3]
+                total -= old.nbytes
                 self.evicted += 1
-                self.evicted_bytes += old[3]
+                self.evicted_bytes += old.nbytes
                 log.warning("codec state of tensor %r of job %r (%d bytes, unused for %d codec rounds) dropped to "
                             "make room for tensor %r under state_limit_bytes=%d; its next round starts from empty "
-                            "state", old_key[1], old_key[0], old[3], self.uses - old[4], name, self.limit)
+                            "state", old_key[1], old_key[0], old.nbytes, self.uses - old.last_use, name, self.limit)
                 if total <= self.limit:
                     break
-        self.states[key] = [ckey, state, 0, nb, self.uses]
+        self.states[key] = CodecState(ckey, state, 0, nb, self.uses)
         return state, 0
 
     def advance(self, job: str, name: str) -> None:
         if (job, name) in self.states:
-            self.states[(job, name)][2] += 1
+            self.states[(job, name)].rounds += 1
 
     def reset(self, job: str) -> int:
         keys = [k for k in self.states if k[0] == job]
@@ -163,7 +177,7 @@ class StateStore:
         return len(keys)
 
     def total_bytes(self) -> int:
-        return sum(v[3] for v in self.states.values())
+        return sum(v.nbytes for v in self.states.values())
 
     def per_job(self) -> dict[str, dict[str, int]]:
         """job -> {"tensors": how many states, "bytes": their size}, for status."""
@@ -171,7 +185,7 @@ class StateStore:
         for (job, _name), v in list(self.states.items()):  # the ring worker may add one meanwhile
             j = out.setdefault(job, {"tensors": 0, "bytes": 0})
             j["tensors"] += 1
-            j["bytes"] += v[3]
+            j["bytes"] += v.nbytes
         return out
 
 
@@ -201,9 +215,16 @@ def describe_difference(descs: list[tuple[int, dict[str, Any]]]) -> str | None:
 
 
 def seed_for(cluster_seed: int, job: str, seq: int, name: str) -> int:
-    import hashlib
     h = hashlib.blake2b(f"{cluster_seed}/{job}/{seq}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class Tombstone(NamedTuple):
+    """A round aborted somewhere in the ring (RingWorker.aborted)."""
+
+    error_class: str
+    message: str
+    at: float  #: monotonic time it was remembered: forgotten after round_wait_timeout
 
 
 class RoundRunner:
@@ -252,7 +273,7 @@ class RoundRunner:
         divided = False
         if lane:
             learned: dict[str, Any] = {}
-            out = ring_allreduce(transport, x, timeout=self.settings.round_timeout + self.settings.peer_timeout,
+            out = ring_allreduce(transport, x, timeout=self.settings.round_wait_timeout,
                                  chunk_bytes=self.settings.chunk_bytes, inplace=True,
                                  tag={"key": rnd.key, **{f: d.get(f) for f in AGREED}},
                                  count=len(parts), mean=mean, learned=learned)
@@ -329,6 +350,8 @@ class RoundRunner:
                 views = [memoryview(np.ascontiguousarray(a)).cast("B") if isinstance(a, np.ndarray) else a for a in b]
                 codec.decompress_add(codec.payload_from_wire(h, views), out, ctx)
         elif codec.pattern == Pattern.MERGED:
+            # imported here: birdnet.ring.merge compiles its Numba kernels on import, seconds at
+            # daemon start that a daemon whose jobs never use a merged codec should not pay
             from birdnet.ring.merge import merged_allreduce
             comp = 0.0
             # merged_allreduce runs the codec's after_round / after_flush itself
@@ -367,7 +390,7 @@ class RingWorker(threading.Thread):
         #: alone saw a peer lost, a neighbour restarted, a failed data phase): key -> (error class,
         #: message, monotonic time). A round with such a key fails at once when it is submitted or
         #: started here, so no node waits round_timeout for an agreement that cannot come.
-        self.aborted: dict[str, tuple[str, str, float]] = {}
+        self.aborted: dict[str, Tombstone] = {}
         #: jobs whose processes on this node all left and came back (a new incarnation may number its
         #: rounds from 0 again): their aborted keys are dropped. Appended by the service thread.
         self.restarted_jobs: list[str] = []
@@ -416,22 +439,22 @@ class RingWorker(threading.Thread):
                 self.order.append(item.key)
                 t = self._tombstone(item.key)
                 if t is not None:
-                    self._finish(item, from_wire({"error": t[0], "message": t[1]}))
+                    self._finish(item, from_wire({"error": t.error_class, "message": t.message}))
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _tombstone(self, key: str) -> tuple[str, str, float] | None:
+    def _tombstone(self, key: str) -> Tombstone | None:
         t = self.aborted.get(key)
-        if t is not None and time.monotonic() - t[2] > self.settings.round_timeout + self.settings.peer_timeout:
+        if t is not None and time.monotonic() - t.at > self.settings.round_wait_timeout:
             del self.aborted[key]
             return None
         return t
 
     def _remember_failed(self, key: str, cls: str, message: str) -> None:
         self.aborted.pop(key, None)
-        self.aborted[key] = (cls, message, time.monotonic())
+        self.aborted[key] = Tombstone(cls, message, time.monotonic())
         while len(self.aborted) > 4096:
             self.aborted.pop(next(iter(self.aborted)))
 
@@ -453,24 +476,21 @@ class RingWorker(threading.Thread):
         self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank,
                     cls=None if isinstance(error, PeerLostError) else type(error).__name__)
 
-    def _on_abort_elsewhere(self, h: dict[str, Any]) -> None:
-        """An ``abort`` (naming its origin ``o``) of a round this node is not running: remember it,
+    def _on_abort_elsewhere(self, a: Abort | None) -> None:
+        """An ``abort`` (naming its origin) of a round this node is not running: remember it,
         fail the round if it is waiting here, pass the abort on."""
-        key, origin = h.get("k"), h.get("o")
-        if not isinstance(key, str) or not isinstance(origin, int) or origin == self.rank:
+        if a is None or a.key is None or a.origin is None or a.origin == self.rank:
             return
+        key = a.key
         parsed = split_key(key)
         if self.lane is not None and parsed is not None and parsed[0] == self.lane[0]:
             self._close_lane()  # the node that failed it closed its lane: it will want an agreement
-        from birdnet.daemon.peers import RoundAborted, class_of
-        reason, cls = str(h.get("reason")), class_of(h)
-        self._remember_failed(key, cls or "PeerLostError", reason)
+        self._remember_failed(key, a.error_class or "PeerLostError", a.reason)
         if key in self.ready:
-            self._finish(self.ready[key], RoundAborted(reason, origin, cls))
-        self._abort(key, reason, origin=origin, cls=cls)
+            self._finish(self.ready[key], RoundAborted.of(a))
+        self._abort(key, a.reason, origin=a.origin, cls=a.error_class)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
-        from birdnet.daemon.peers import RoundAborted
         if isinstance(error, RoundAborted) and error.cls:
             error = from_wire({"error": error.cls, "message": error.reason})  # the class its origin saw
         self.ready.pop(rnd.key, None)
@@ -484,6 +504,10 @@ class RingWorker(threading.Thread):
             self.rounds_done += 1
             self.last_round_seconds = rnd.stats.get("seconds", 0.0)
         self.done(rnd)
+
+    def _own_entry(self, key: str) -> list[Any]:
+        """This node's ``[rank, description]`` for round ``key`` of a start's batch."""
+        return [self.rank, self._own_desc(self.ready[key])]
 
     def _own_desc(self, rnd: LocalRound) -> dict[str, Any]:
         d = dict(rnd.desc)
@@ -558,11 +582,11 @@ class RingWorker(threading.Thread):
         return (rnd.kind == "allreduce" and rnd.error is None and bool(rnd.parts)
                 and isinstance(codec, dict) and codec.get("codec") == "none")
 
-    def _grant(self, verdicts: list[list[Any]]) -> list[Any] | None:
+    def _grant(self, verdicts: list[Verdict]) -> list[Any] | None:
         """The lane the leader's ``go`` opens: the next round of the job of an agreed batch."""
-        if not self.lane_allowed or not verdicts or not all(v[1] for v in verdicts):
+        if not self.lane_allowed or not verdicts or not all(v.ok for v in verdicts):
             return None
-        keys = [split_key(v[0]) for v in verdicts]
+        keys = [split_key(v.key) for v in verdicts]
         if any(k is None for k in keys) or len({k[0] for k in keys}) != 1:
             return None
         return [keys[0][0], max(k[1] for k in keys) + 1]
@@ -605,7 +629,6 @@ class RingWorker(threading.Thread):
         return True
 
     def _run_lane(self, rnd: LocalRound, job: str, seq: int) -> None:
-        from birdnet.daemon.peers import LaneGivenUp, RoundTransport
         transport = RoundTransport(self.net, rnd.key, self.lane_since, lane=True)
         self.lane_running = rnd.key
         try:
@@ -669,7 +692,6 @@ class RingWorker(threading.Thread):
         self._finish(rnd)
 
     def _run_ring(self) -> None:
-        from birdnet.daemon.peers import RoundAborted, RoundTransport  # noqa: F401
         net = self.net
         while not self.stopping:
             self._take_inbox()
@@ -701,7 +723,7 @@ class RingWorker(threading.Thread):
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
             if msg is not None and msg["h"].get("t") == "abort":
-                self._on_abort_elsewhere(msg["h"])
+                self._on_abort_elsewhere(Abort.from_header(msg["h"]))
             # Only followers act on a start; the leader's own starts come back inside _lead.
             if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
                 self._follow_guarded(self._follow, msg["h"], msg["h"].get("k"))
@@ -722,7 +744,7 @@ class RingWorker(threading.Thread):
     def _expire_unstarted(self) -> None:
         """A follower's round the leader never starts (its job's processes on another node never
         submitted it) fails after round_timeout instead of waiting forever."""
-        limit = self.settings.round_timeout + self.settings.peer_timeout
+        limit = self.settings.round_wait_timeout
         now = time.monotonic()
         for key in list(self.order):
             rnd = self.ready[key]
@@ -756,13 +778,13 @@ class RingWorker(threading.Thread):
             if msg is None:
                 continue
             h = msg["h"]
-            if h.get("t") == "abort" and h.get("k") == key:
-                from birdnet.daemon.peers import RoundAborted, class_of, origin_of
-                raise RoundAborted(str(h.get("reason")), origin_of(h), class_of(h))
+            a = Abort.from_header(h) if h.get("t") == "abort" else None
+            if a is not None and a.key == key:
+                raise RoundAborted.of(a)
             if h.get("t") == want and h.get("k") == key:
                 return h
-            if h.get("t") == "abort" and "o" in h:
-                self._on_abort_elsewhere(h)  # another round
+            if a is not None and a.origin is not None:
+                self._on_abort_elsewhere(a)  # another round
                 continue
             if h.get("t") == "start" and want == "go" and self.rank != 0:
                 self.pending_start = msg
@@ -776,18 +798,14 @@ class RingWorker(threading.Thread):
         origin = self.rank if origin is None else origin
         if (self.rank + 1) % self.world == origin:
             return
-        h = {"t": "abort", "k": key, "reason": reason, "o": origin}
-        if cls:
-            h["c"] = cls
         try:
-            self.net.send(h)
+            self.net.send(Abort(key, reason, origin, cls).header())
         except Exception:  # noqa: BLE001
             pass
 
     def _report(self, key: str, exc: BaseException) -> None:
         """Abort round ``key`` after it failed here with ``exc``: pass on an abort that came from
         upstream (keeping its origin and reason), else start one."""
-        from birdnet.daemon.peers import RoundAborted
         if isinstance(exc, RoundAborted) and exc.origin is not None:
             if exc.origin != self.rank:
                 self._remember_failed(key, exc.cls or "PeerLostError", exc.reason)
@@ -809,7 +827,6 @@ class RingWorker(threading.Thread):
         """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
         that are ready here; each follower keeps the prefix of them that is ready on its node too, so
         a training step's many tensors cost one agreement instead of one each."""
-        from birdnet.daemon.peers import RoundTransport
         key = rnd.key
         deadline = rnd.ready_at + self.settings.round_timeout
         since = self.net.neighbour_restarts
@@ -818,17 +835,8 @@ class RingWorker(threading.Thread):
             self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]],
                            "more": [[k, [[0, self._own_desc(self.ready[k])]]] for k in extras]})
             h = self._wait_message("start", key, deadline, since)
-            verdicts = [self._verdict(key, self._check_descs(h.get("descs"), key))]
-            more = h.get("more") if isinstance(h.get("more"), list) else []
-            for item in more:
-                if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                        or item[0] not in self.ready or item[0] not in extras):
-                    from birdnet.errors import ProtocolError
-                    raise ProtocolError(f"round {key}: malformed batch in the start message")
-                verdicts.append(self._verdict(item[0], self._check_descs(item[1], item[0])))
-            v0 = verdicts[0]
-            go = {"t": "go", "k": key, "ok": v0[1], "err": v0[2], "errc": v0[3], "counts": v0[4],
-                  "more": [list(v) for v in verdicts[1:]]}
+            verdicts = self._verdicts_of_start(h, key, extras, self._check_descs)
+            go = {"t": "go", **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
             lane = self._grant(verdicts)
             if lane is not None:
                 go["lane"] = lane
@@ -839,42 +847,63 @@ class RingWorker(threading.Thread):
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        self._granted(self._run_batch(verdicts, RoundTransport, since), lane)
+        self._granted(self._run_batch(verdicts, since), lane)
 
-    def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> list[Any]:
-        """[key, ok, error message, error class, counts] for one round of a start."""
+    def _verdicts_of_start(self, h: dict[str, Any], key: str, extras: list[str],
+                           check: Callable[[Any, str], list[tuple[int, dict[str, Any]]]]) -> list[Verdict]:
+        """The leader's verdicts on the rounds of its ``start`` ``h`` that came back round the ring:
+        round ``key`` and the prefix of ``extras`` the followers kept; ``check`` validates each
+        round's descriptions (one per node, in the order of the ring)."""
+        verdicts = [self._verdict(key, check(h.get("descs"), key))]
+        more = h.get("more") if isinstance(h.get("more"), list) else []
+        for item in more:
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or item[0] not in self.ready or item[0] not in extras):
+                raise ProtocolError(f"round {key}: malformed batch in the start message")
+            verdicts.append(self._verdict(item[0], check(item[1], item[0])))
+        return verdicts
+
+    def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> Verdict:
+        """The leader's verdict on one round of a start, from every node's description."""
         problem = describe_difference(descs)
         counts = [d.get("count", 0) for _, d in descs]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 1 << 20 for c in counts):
-            from birdnet.errors import ProtocolError
+        if not all(is_int(c) and 0 <= c < 1 << 20 for c in counts):
             raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
-        return [key, problem is None, problem, error_class(descs), counts]
+        return Verdict(key, problem is None, problem, error_class(descs), tuple(counts))
 
-    def _run_batch(self, verdicts: list[list[Any]], transport_cls, since: int) -> bool:
+    def _round_transport(self, key: str, since: int):
+        """The transport of agreed round ``key`` (the ring's membership decides who the neighbours are)."""
+        return RoundTransport(self.net, key, since)
+
+    def _note_contributors(self, rnd: LocalRound, counts: list[int]) -> None:
+        """Stats a round's reply carries about who took part (elastic mode names the members)."""
+
+    def _run_batch(self, verdicts: list[Verdict], since: int) -> bool:
         """Run the agreed rounds in order. Once one fails in its data phase the rest of the batch
         is failed here and aborted downstream, so no node waits for data that will not come.
         True when every round of the batch ran here without an error."""
         self.agreements += 1
         failed: BirdnetError | None = None
         all_ok = True
-        for key, ok, err, errc, counts in verdicts:
-            rnd = self.ready.get(key)
+        for v in verdicts:
+            rnd = self.ready.get(v.key)
             if rnd is None:
                 all_ok = False
                 continue
-            if not ok:
+            if not v.ok:
                 all_ok = False
-                self._finish(rnd, from_wire({"error": errc or "RoundMismatchError", "message": str(err)}))
+                self._finish(rnd, from_wire({"error": v.error_class or "RoundMismatchError", "message": str(v.error)}))
             elif failed is not None:
-                self._abort(key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
+                self._abort(v.key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
                 self._finish(rnd, from_wire({"error": type(failed).__name__,
                                              "message": f"an earlier round of the same batch failed: {failed}"}))
             else:
-                failed = self._data_phase(rnd, transport_cls(self.net, key, since), [int(c) for c in counts])
+                counts = list(v.counts)
+                self._note_contributors(rnd, counts)
+                failed = self._data_phase(rnd, self._round_transport(v.key, since), counts)
         return all_ok and failed is None
 
     def _check_descs(self, descs: Any, key: str) -> list[tuple[int, dict[str, Any]]]:
-        from birdnet.errors import ProtocolError
         if (not isinstance(descs, list) or len(descs) != self.world
                 or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], dict) for x in descs)
                 or [x[0] for x in descs] != list(range(self.world))):
@@ -882,7 +911,6 @@ class RingWorker(threading.Thread):
         return [(int(r), d) for r, d in descs]
 
     def _follow(self, h: dict[str, Any]) -> None:
-        from birdnet.daemon.peers import RoundTransport
         key = h.get("k")
         descs = h.get("descs")
         if not isinstance(key, str) or not isinstance(descs, list):
@@ -918,7 +946,7 @@ class RingWorker(threading.Thread):
             t = self._tombstone(key)
             if t is not None:
                 # this node failed the round already (alone, before any verdict): fail it everywhere
-                descs.append([self.rank, {"error": t[1], "error_class": t[0]}])
+                descs.append([self.rank, {"error": t.message, "error_class": t.error_class}])
                 self.net.send({"t": "start", "k": key, "descs": descs})
                 self._pass_go(key, since)
                 return
@@ -933,7 +961,7 @@ class RingWorker(threading.Thread):
             msg = self.net.poll(0.02)
             if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
                 # remembered, so the round fails at once when this node's processes submit it
-                self._on_abort_elsewhere(msg["h"])
+                self._on_abort_elsewhere(Abort.from_header(msg["h"]))
                 return
             if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("k") != key:
                 # the leader moved on (it abandoned this round): follow the newer one
@@ -941,17 +969,10 @@ class RingWorker(threading.Thread):
                 return
         rnd = self.ready[key]
         descs.append([self.rank, self._own_desc(rnd)])
-        more = h.get("more") if isinstance(h.get("more"), list) else []
-        kept = []
-        for item in more:  # keep the prefix of the batch that is ready here too
-            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
-                    or not isinstance(item[1], list) or item[0] not in self.ready):
-                break
-            kept.append([item[0], item[1] + [[self.rank, self._own_desc(self.ready[item[0]])]]])
+        kept = extend_batch(h.get("more"), self.ready, self._own_entry)
         self.net.send({"t": "start", "k": key, "descs": descs, "more": kept})
         try:
-            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_timeout + self.settings.peer_timeout,
-                                   since)
+            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_wait_timeout, since)
         except BirdnetError as exc:
             self._report(key, exc)
             self._finish(rnd, exc)
@@ -962,23 +983,14 @@ class RingWorker(threading.Thread):
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        verdicts = [[key, bool(g.get("ok")), g.get("err"), g.get("errc"), g.get("counts")]]
-        for v in g.get("more") if isinstance(g.get("more"), list) else []:
-            if isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and v[0] in self.ready:
-                verdicts.append(v)
-        for v in verdicts:
-            c = v[4]
-            if (not isinstance(c, list) or len(c) != self.world
-                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 20 for x in c)):
-                v[1], v[2], v[3] = False, f"round {v[0]}: malformed go message", "PeerLostError"
-                v[4] = [0] * self.world
+        verdicts = verdicts_of_go(g, key, self.world, self.ready)
         lane = g.get("lane")
         if not (self.lane_allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
-                and isinstance(lane[1], int) and not isinstance(lane[1], bool)):
+                and is_int(lane[1])):
             lane = None
         if lane is not None:
             self._expect_lane(lane[0], lane[1])  # before the batch runs: see _expect_lane
-        self._granted(self._run_batch(verdicts, RoundTransport, since), lane)
+        self._granted(self._run_batch(verdicts, since), lane)
 
     def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
@@ -991,7 +1003,7 @@ class RingWorker(threading.Thread):
     def _pass_go(self, key: str, since: int) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""
         try:
-            g = self._wait_message("go", key, time.monotonic() + self.settings.peer_timeout * 2, since)
+            g = self._wait_message("go", key, time.monotonic() + self.settings.pass_go_timeout, since)
         except BirdnetError:
             return
         if self.rank != self.world - 1:
@@ -1000,7 +1012,6 @@ class RingWorker(threading.Thread):
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
         """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already
         reported) or None. A lane round given up raises LaneGivenUp (RingWorker._run_lane)."""
-        from birdnet.daemon.peers import LaneGivenUp
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
         try:

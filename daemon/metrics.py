@@ -299,7 +299,7 @@ def _state_bytes(states: Any) -> int:
     # The ring worker may add a state while we read; copying the values is one C call under the GIL.
     for _ in range(3):
         try:
-            return sum(v[3] for v in list(states.states.values()))
+            return sum(v.nbytes for v in list(states.states.values()))
         except RuntimeError:
             continue
     return 0

@@ -47,8 +47,9 @@ import zmq
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
-from birdnet.errors import ConfigError, PeerLostError, ProtocolError
+from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundTimeoutError, ShutdownError
 from birdnet.hosts import Peer
+from birdnet.messages import Abort
 
 log = logging.getLogger("birdnet.peers")
 
@@ -137,15 +138,10 @@ class RoundAborted(PeerLostError):
         super().__init__(reason)
         self.reason, self.origin, self.cls = reason, origin, cls
 
-
-def origin_of(abort: dict[str, Any]) -> int | None:
-    o = abort.get("o")
-    return o if isinstance(o, int) and not isinstance(o, bool) else None
-
-
-def class_of(abort: dict[str, Any]) -> str | None:
-    c = abort.get("c")
-    return c if isinstance(c, str) and c.isidentifier() and c.endswith("Error") else None
+    @classmethod
+    def of(cls, abort: Abort) -> RoundAborted:
+        """The error of a round that an ``abort`` message failed."""
+        return cls(abort.reason, abort.origin, abort.error_class)
 
 
 def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
@@ -862,7 +858,6 @@ class RoundTransport:
     def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         while True:
             if self.net.stopping:
-                from birdnet.errors import ShutdownError
                 raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.rank} is shutting down")
             lost = self.net.lost()
             if lost:
@@ -874,7 +869,6 @@ class RoundTransport:
             now = time.monotonic()
             if now >= deadline:
                 if self.lane:
-                    from birdnet.errors import RoundTimeoutError
                     raise RoundTimeoutError(
                         f"round {self.key} did not complete within round_timeout="
                         f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
@@ -886,11 +880,12 @@ class RoundTransport:
             if msg is None:
                 continue
             h = msg["h"]
-            if h.get("t") == "abort" and h.get("k") in (self.key, None):
-                raise RoundAborted(str(h.get("reason")), origin_of(h), class_of(h))
-            if h.get("t") == "abort" and "o" in h and self.on_other_abort is not None:
-                self.on_other_abort(h)
-                if self.lane and _earlier_of_job(h.get("k"), self.key):
+            a = Abort.from_header(h) if h.get("t") == "abort" else None
+            if a is not None and a.key in (self.key, None):
+                raise RoundAborted.of(a)
+            if a is not None and a.origin is not None and self.on_other_abort is not None:
+                self.on_other_abort(a)
+                if self.lane and _earlier_of_job(a.key, self.key):
                     # An earlier round of this job failed somewhere. The node that failed it closed
                     # its lane and joins this round only once it is agreed, so no node can finish a
                     # segment of it: give it up and run it agreed (the job loses no second call).

@@ -31,7 +31,7 @@ import os
 import queue
 import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -179,11 +179,21 @@ class Session:
     unmapped: Segment | None = None
 
 
+class PendingCall(NamedTuple):
+    """One process's part of a call that is still collecting the job's other local processes."""
+
+    desc: dict
+    contribution: Contribution | None  #: None for a barrier or reset (no data)
+    call: int  #: the process's call id, echoed in the reply
+    slot: int | None  #: the shared-memory slot the call uses, if any
+
+
 @dataclasses.dataclass
 class Job:
     name: str
     sessions: dict[int, Session] = dataclasses.field(default_factory=dict)  # local_index -> session
-    pending: dict[int, dict[int, tuple[dict, Contribution | None]]] = dataclasses.field(default_factory=dict)
+    #: call number -> local_index -> that process's part
+    pending: dict[int, dict[int, PendingCall]] = dataclasses.field(default_factory=dict)
     #: call number -> when its first process submitted it (round_timeout runs from there)
     pending_since: dict[int, float] = dataclasses.field(default_factory=dict)
     #: call numbers that timed out here waiting for a process -> why; a late submit of one fails at
@@ -656,7 +666,7 @@ class Daemon:
         if array is not None:
             contribution = Contribution(identity, call, array, s.local_index,
                                         self.rank * self.settings.local_size + s.local_index)
-        pend[s.local_index] = (desc, contribution, call, slot if array is not None else None)
+        pend[s.local_index] = PendingCall(desc, contribution, call, slot if array is not None else None)
         if len(pend) == self.settings.local_size:
             self._launch(j, seq)
 

@@ -39,7 +39,7 @@ def test_flush_round_through_the_runner_resets_global_compensation():
     [[r.parts[0].array.copy() for r in rr] for rr in rounds]
     outs = _run(world, rounds, runners)
     for r in range(world):
-        st = runners[r].states.states[("j", "w")][1]
+        st = runners[r].states.states[("j", "w")].state
         assert not st["c"].any(), "a flush round must leave no compensation"
         assert outs[r][1].tobytes() == outs[0][1].tobytes()
     # round 1 (the flush) is the exact mean of p = x + c (c from round 0)

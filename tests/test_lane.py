@@ -208,14 +208,14 @@ def test_lane_transport_reactions():
     t.on_other_abort = seen.append
     assert t.recv(soon)[0]["k"] == "J/5"  # the early one
     h, _ = t.recv(soon)
-    assert h.get("ln") == 1 and [a["k"] for a in seen] == ["J/6"]
+    assert h.get("ln") == 1 and [a.key for a in seen] == ["J/6"]
     # an earlier round of the job failed: the node that failed it will not join this one in the
     # lane, so it is given up (and run once agreed), after the abort was handed on
     t = RoundTransport(_StubNet([{"h": {"t": "abort", "k": "J/4", "o": 2, "reason": "x"}, "b": []}]), "J/5", lane=True)
     t.on_other_abort = seen.append
     with pytest.raises(LaneGivenUp):
         t.recv(soon)
-    assert seen[-1]["k"] == "J/4"
+    assert seen[-1].key == "J/4"
     # an abort of this very round still fails it
     t = RoundTransport(_StubNet([{"h": {"t": "abort", "k": "J/5", "o": 2, "reason": "x"}, "b": []}]), "J/5", lane=True)
     with pytest.raises(RoundAborted, match="x"):

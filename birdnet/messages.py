@@ -1,0 +1,152 @@
+"""Peer control messages as records: one type per kind, built from a received header in one place
+(``from_header``), so the checks a message needs live with its type and the ring worker reads
+named fields instead of positions (the header keys are listed once, in :data:`birdnet.wire.HEADER_KEYS`).
+
+A header from the network is never trusted: ``from_header`` returns None (or a record that fails
+the round, for a verdict) when a field has the wrong type, and never raises on bad input.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container
+from typing import Any
+
+#: a node's process count in a round is below this (a bound on what a peer may claim)
+COUNT_LIMIT = 1 << 20
+
+
+def is_int(v: Any) -> bool:
+    """An int that is not a bool (msgpack gives bools for true/false)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def valid_counts(counts: Any, width: int) -> bool:
+    """``counts`` is a list of ``width`` process counts, each in [0, COUNT_LIMIT)."""
+    return (isinstance(counts, list) and len(counts) == width
+            and all(is_int(c) and 0 <= c < COUNT_LIMIT for c in counts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The leader's verdict on one round of a start/go exchange. Travels in a ``go`` as its own
+    fields (``k ok err errc counts``) for the first round and as ``[key, ok, err, errc, counts]``
+    in ``more`` for the others of the batch."""
+
+    key: str
+    ok: bool
+    error: Any  #: the message every node fails the round with when not ok (as sent)
+    error_class: Any  #: the class it fails with (RoundMismatchError when none is named)
+    counts: tuple[int, ...]  #: process count per ring position
+
+    def to_wire(self) -> list[Any]:
+        return [self.key, self.ok, self.error, self.error_class, list(self.counts)]
+
+    def go_fields(self) -> dict[str, Any]:
+        """The fields of a ``go`` that carry the batch's first verdict."""
+        return {"k": self.key, "ok": self.ok, "err": self.error, "errc": self.error_class,
+                "counts": list(self.counts)}
+
+    @classmethod
+    def checked(cls, key: str, ok: Any, error: Any, error_class: Any, counts: Any, width: int) -> Verdict:
+        """A verdict as received: malformed counts fail the round (as a lost peer) on every node that
+        receives them, instead of running it with counts nobody agreed."""
+        if not valid_counts(counts, width):
+            return cls(key, False, f"round {key}: malformed go message", "PeerLostError", (0,) * width)
+        return cls(key, bool(ok), error, error_class, tuple(counts))
+
+
+def verdicts_of_go(h: dict[str, Any], key: str, width: int, ready: Container[str]) -> list[Verdict]:
+    """The verdicts a ``go`` for round ``key`` carries: its own round first, then the rounds of the
+    batch in ``more`` that are waiting here (``ready``), counts checked against the ring's ``width``."""
+    out = [Verdict.checked(key, h.get("ok"), h.get("err"), h.get("errc"), h.get("counts"), width)]
+    more = h.get("more")
+    for v in more if isinstance(more, list) else []:
+        if isinstance(v, list) and len(v) == 5 and isinstance(v[0], str) and v[0] in ready:
+            out.append(Verdict.checked(v[0], v[1], v[2], v[3], v[4], width))
+    return out
+
+
+def extend_batch(more: Any, ready: Container[str], entry: Callable[[str], list[Any]]) -> list[list[Any]]:
+    """The batch a follower passes on in its ``start``: the prefix of ``more`` (``[[key, descs],
+    ...]``) whose rounds are waiting here too, each with this node's ``entry(key)`` appended."""
+    kept: list[list[Any]] = []
+    for item in more if isinstance(more, list) else []:
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                or not isinstance(item[1], list) or item[0] not in ready):
+            break
+        kept.append([item[0], item[1] + [entry(item[0])]])
+    return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """A node failed round ``key`` (``abort``). ``origin`` (``o``): the node that failed it first, on
+    the fixed ring; the abort travels until it is next to its origin. ``error_class`` (``c``): the
+    class the origin failed it with, when it was the round's own error. ``retry`` (elastic mode):
+    the round is started again on the re-formed ring instead of failing. ``key`` None: the abort
+    names no round (it fails the round in progress)."""
+
+    key: str | None
+    reason: str
+    origin: int | None = None
+    error_class: str | None = None
+    retry: bool = False
+
+    def header(self) -> dict[str, Any]:
+        h: dict[str, Any] = {"t": "abort", "k": self.key, "reason": self.reason}
+        if self.origin is not None:
+            h["o"] = self.origin
+        if self.error_class:
+            h["c"] = self.error_class
+        if self.retry:
+            h["retry"] = True
+        return h
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any]) -> Abort | None:
+        """None when the key is neither a round key's string nor absent (nothing could match it)."""
+        key = h.get("k")
+        if key is not None and not isinstance(key, str):
+            return None
+        o, c = h.get("o"), h.get("c")
+        return cls(key, str(h.get("reason")), o if is_int(o) else None,
+                   c if isinstance(c, str) and c.isidentifier() and c.endswith("Error") else None,
+                   h.get("retry") is True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """Who is in a round in elastic mode, carried by its ``start`` and ``go``: the epoch ``ep``, the
+    sorted live ring ``S``, its leader ``L``, the joiners ``J`` being admitted and the members'
+    incarnations ``I`` (str(rank) -> incarnation)."""
+
+    epoch: int
+    ring: tuple[int, ...]
+    leader: int
+    joiners: tuple[int, ...] = ()
+    incarnations: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def fields(self) -> dict[str, Any]:
+        return {"ep": self.epoch, "S": list(self.ring), "L": self.leader, "J": list(self.joiners),
+                "I": dict(self.incarnations)}
+
+    @classmethod
+    def from_header(cls, h: dict[str, Any], world: int) -> Membership | None:
+        """None unless ``S`` is a sorted list of distinct ranks of the ``world``-node hosts file,
+        ``ep`` a non-negative int and ``L`` one of ``S``."""
+        ring, ep, leader = ranks(h.get("S"), world), h.get("ep"), h.get("L")
+        if ring is None or not is_int(ep) or ep < 0 or leader not in ring:
+            return None
+        joiners = h.get("J") if isinstance(h.get("J"), list) else []
+        incs = h.get("I") if isinstance(h.get("I"), dict) else {}
+        return cls(ep, tuple(ring), leader, tuple(j for j in joiners if is_int(j)),
+                   {str(k): str(v) for k, v in incs.items()})
+
+
+def ranks(x: Any, world: int) -> list[int] | None:
+    """A sorted list of distinct ranks of a ``world``-node hosts file, or None."""
+    if not isinstance(x, list) or not x or not all(is_int(r) for r in x):
+        return None
+    if x != sorted(set(x)) or x[0] < 0 or x[-1] >= world:
+        return None
+    return x
