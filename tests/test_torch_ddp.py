@@ -287,7 +287,7 @@ def test_hook_names_buckets_by_parameters(results):
     assert results[0]["birdnet_hook_names"] >= 2
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(200)
 def test_import_without_torch_distributed():
     """Jetson wheels lack torch.distributed: the adapter and its optimizer wrapper still import
     (simulated: torch.distributed.is_available() patched to False before the import)."""
@@ -300,5 +300,5 @@ def test_import_without_torch_distributed():
             "print('ok')\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
