@@ -232,4 +232,6 @@ def _drain(fd: int, unpacker: msgpack.Unpacker) -> bool:
 
 
 def _unpacker() -> msgpack.Unpacker:
-    return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=1 << 20)
+    # read_size is the buffer allocated up front (it grows to max_buffer_size as needed): msgpack's
+    # default took ~40 KB resident per doorbell, 40 MB for a daemon with 1024 sessions
+    return msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=1 << 20, read_size=ATOMIC_BYTES)

@@ -99,3 +99,18 @@ def keep_freed_buffers(largest_buffer: int) -> str:
     if not ok:
         return "malloc left alone (mallopt refused)"
     return f"malloc keeps freed buffers: mmap_threshold {mmap_threshold >> 10} KiB, trim_threshold {trim_threshold >> 10} KiB"
+
+
+def release_freed_memory() -> bool:
+    """Hand memory that malloc holds free back to the kernel (glibc's malloc_trim, all arenas):
+    after a burst of client connections ended (libzmq allocates ~70 KB per connection, on its I/O
+    thread's arena) the daemon's resident size stays up otherwise. False off glibc."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -204,6 +204,18 @@ class Client:
     # -- connection -------------------------------------------------------------------------------
     def _check_access(self) -> None:
         path = self.socket_path
+        tmp_default = os.path.join("/tmp", f"birdnet-{os.getuid()}")
+        if os.path.dirname(path) == tmp_default:
+            # the default without XDG_RUNTIME_DIR: a name anyone can create first, with a daemon
+            # of their own behind it that would receive this process's gradients
+            try:
+                owner = os.stat(tmp_default).st_uid
+            except OSError:
+                owner = os.getuid()  # not there: the FileNotFoundError below says what to do
+            if owner not in (os.getuid(), 0):
+                raise AuthenticationError(
+                    f"{tmp_default} belongs to uid {owner}, not to this user (uid {os.getuid()}): another user may "
+                    "have made it to receive your gradients; remove it, or set XDG_RUNTIME_DIR / BIRDNET_SOCKET")
         try:
             os.stat(path)
         except PermissionError:

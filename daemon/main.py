@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+import zmq
+
 from birdnet import __version__
 from birdnet.config import Settings, load_settings
 from birdnet.errors import BirdnetError, ConfigError
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     except BirdnetError as exc:
         print(f"birdnetd: {exc}", file=sys.stderr)
         return 1
+    except (OSError, zmq.ZMQError) as exc:  # a socket or directory the checks above did not foresee
+        print(f"birdnetd: cannot start: {exc} ({type(exc).__name__}); check --socket, --peers and "
+              "--metrics-port", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import math
 import os
 import queue
 import signal
+import socket
+import struct
 import time
 from typing import Any, NamedTuple
 
@@ -51,7 +53,7 @@ from birdnet.errors import (
     to_wire,
 )
 from birdnet.hosts import Peer, find_own_rank, load_hosts
-from birdnet.osutil import pid_alive, unix_socket_accepts
+from birdnet.osutil import pid_alive, release_freed_memory, unix_socket_accepts
 from birdnet.shm import Segment, new_name, remove_stale, sealing_available, segment_prefix
 
 log = logging.getLogger("birdnet.daemon")
@@ -64,6 +66,13 @@ MAX_SEGMENT_BYTES = 1 << 34
 MAX_SLOTS = 256  #: shared-memory slots per client session
 MAX_SESSIONS = 1024  #: client sessions per daemon
 MAX_DEPARTED = 1024  #: jobs remembered as broken by a departed process
+#: descriptors one session may hold: its connection, its two FIFOs, one memfd until it is mapped,
+#: and one spare (a second connection of the same process: birdnet status from a training script)
+FDS_PER_SESSION = 5
+#: descriptors kept for everything else: peer links (a few per peer), metrics, ZeroMQ's own
+RESERVED_FDS = 256
+HELLO_TIMEOUT = 5.0  #: a client connection that says nothing for this long is dropped
+MAX_SOCKET_PATH = 107  #: bytes of a Unix socket path (sun_path minus its terminating NUL, Linux)
 MAX_PENDING_CALLS = 1024  #: a job's calls waiting on this node for some of its processes
 MAX_EXPIRED = 4096  #: a job's call numbers remembered as timed out
 MAX_PID = 2**22  #: Linux's largest pid_max (a pid above cannot exist; os.kill would overflow a C int)
@@ -234,6 +243,7 @@ class Daemon:
         self.figures = RoundFigures()
         self.curve = None
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
+        self.max_sessions, self.max_connections = session_limits(self.world)
         self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -241,11 +251,20 @@ class Daemon:
         removed = remove_stale(self.shm_prefix)
         if removed:
             log.info("removed %d shared-memory segment(s) left by an earlier instance", len(removed))
-        sock_dir = os.path.dirname(self.socket_path)
+        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
+            raise_config(f"socket path {self.socket_path} is {len(os.fsencode(self.socket_path))} bytes; a Unix socket "
+                         f"path holds at most {MAX_SOCKET_PATH}: pass a shorter --socket (e.g. under /run or "
+                         "$XDG_RUNTIME_DIR)")
+        sock_dir = os.path.dirname(self.socket_path) or "."
         if not os.path.isdir(sock_dir):
-            os.makedirs(sock_dir, mode=0o750 if self.gid is not None else 0o700, exist_ok=True)
-            if self.gid is not None:
-                os.chown(sock_dir, -1, self.gid)
+            try:
+                os.makedirs(sock_dir, mode=0o750 if self.gid is not None else 0o700, exist_ok=True)
+                if self.gid is not None:
+                    os.chown(sock_dir, -1, self.gid)
+            except OSError as exc:
+                raise_config(f"cannot create the socket directory {sock_dir}: {exc.strerror}; pass --socket PATH "
+                             "in a directory this user may write")
+        check_socket_dir(sock_dir)
         if os.path.exists(self.socket_path):
             if unix_socket_accepts(self.socket_path):
                 raise_config(f"another birdnetd already serves {self.socket_path}; stop it or pass --socket")
@@ -257,8 +276,20 @@ class Daemon:
         old = os.umask(0o117 if self.gid is not None else 0o177)
         try:
             self.clients.bind(f"ipc://{self.socket_path}")
+        except zmq.ZMQError as exc:
+            raise_config(f"cannot listen on the client socket {self.socket_path}: {exc}; pass --socket PATH in a "
+                         "directory this user may write")
         finally:
             os.umask(old)
+        # Every connection as the kernel sees it (accepted / gone, by descriptor): a process's
+        # sessions end when its last connection closes (a FIFO pair each, held for ever before),
+        # a connection that says no hello within HELLO_TIMEOUT is dropped, and beyond
+        # max_connections new ones are dropped at once.
+        self.conn_monitor = self.clients.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.connections: dict[int, list[Any]] = {}  #: descriptor -> [peer pid or None, accepted at]
+        self.connections_closed = 0  #: since malloc last handed memory back
+        self.connections_dropped = 0  #: by this daemon (idle, or over max_connections)
+        self._drop_logged, self._drops_at_log = 0.0, 0
         if self.gid is not None:
             os.chown(self.socket_path, -1, self.gid)
         self.wake_rx = self.ctx.socket(zmq.PULL)
@@ -319,6 +350,7 @@ class Daemon:
         self.poller = poller = zmq.Poller()
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
+        poller.register(self.conn_monitor, zmq.POLLIN)
         watchdog = notify.watchdog_interval()
         last_watchdog = last_reap = 0.0
         last_status = ""
@@ -340,6 +372,8 @@ class Daemon:
                         except zmq.Again:
                             break
                         self.handle_client(frames)
+                if self.conn_monitor in events:
+                    self.handle_connections()
                 for fd in [e for e in events if isinstance(e, int) and e in self.bells]:
                     self.handle_bell(self.bells[fd])
                 if self.wake_rx in events:
@@ -355,6 +389,10 @@ class Daemon:
                     try:
                         self.reap_sessions()
                         self.expire_pending()
+                        self.drop_idle_connections()
+                        if self.connections_closed >= 64:  # a burst of them ended
+                            self.connections_closed = 0
+                            release_freed_memory()
                     except Exception:  # noqa: BLE001 - a bad session must not stop the loop serving the others
                         log.exception("reaping client sessions failed")
                     line = self._status_line()
@@ -473,6 +511,10 @@ class Daemon:
         pid = wire.field(h, "pid", int, "hello")
         if not job or len(job) > 200:
             raise InputError("job name must be 1..200 characters")
+        # Connections accepted before this hello was read are in the monitor's queue by now (an
+        # accept is reported before the connection can carry a message): take them first, so a
+        # disconnect of this process's previous connection cannot end the session made here.
+        self.handle_connections()
         if pid > MAX_PID:  # check_request bounds it; os.kill and the reaper need a C int
             raise InputError(f"hello: field 'pid' is {pid}, outside 1..{MAX_PID}")
         uid = None
@@ -492,8 +534,9 @@ class Daemon:
         for other in same:
             # the same process on a new connection (its old one was dropped): it takes its place
             self.end_session(other.identity, "reconnected")
-        if len(self.sessions) >= MAX_SESSIONS:
-            raise InputError(f"birdnetd already serves {MAX_SESSIONS} client sessions")
+        if len(self.sessions) >= self.max_sessions:
+            raise InputError(f"birdnetd already serves {self.max_sessions} client sessions (its limit, from "
+                             f"{self.max_sessions} x {FDS_PER_SESSION} file descriptors within LimitNOFILE)")
         full = self.jobs.get(job)
         if full is not None and len(full.sessions) >= self.settings.local_size:
             # a process of the job that exited without a bye (killed, and restarted at once by its
@@ -677,6 +720,7 @@ class Daemon:
         waiting; the sibling's late submit of it fails at once (Job.expired)."""
         limit = time.monotonic() - self.settings.round_timeout
         for j in list(self.jobs.values()):
+            expired = 0
             for seq in [q for q, t in j.pending_since.items() if t < limit]:
                 if seq not in j.pending:
                     del j.pending_since[seq]
@@ -688,11 +732,16 @@ class Daemon:
                        f"{', '.join(map(str, missing))}" + (f" (pid {', '.join(map(str, pids))})" if pids else "")
                        + f" did not submit it within round_timeout={self.settings.round_timeout} s, local rank(s) "
                        f"{', '.join(map(str, have))} did; do all processes of the job make the same calls?")
-                log.warning("%s", why)
+                expired += 1
+                if expired == 1:
+                    log.warning("%s", why)  # one line per job and second, however many calls
                 j.expired[seq] = why
                 while len(j.expired) > MAX_EXPIRED:
                     j.expired.pop(next(iter(j.expired)))
                 self._launch(j, seq, RoundTimeoutError(why))
+            if expired > 1:
+                log.warning("job %r: %d more calls timed out the same way on node rank %d", j.name, expired - 1,
+                            self.rank)
 
     def _launch(self, j: Job, seq: int, error: BirdnetError | None = None) -> None:
         j.pending_since.pop(seq, None)
@@ -796,6 +845,66 @@ class Daemon:
         self.end_session(identity, "bye")
         self.reply(identity, {"t": "bye", "call": h.get("call")})
 
+    # -- connections ------------------------------------------------------------------------------
+    def handle_connections(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+        for _ in range(4096):
+            try:
+                ev = recv_monitor_message(self.conn_monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = ev.get("value")
+            if not isinstance(fd, int):
+                continue
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                pid = _peer_pid(fd)
+                self.connections[fd] = [pid, time.monotonic()]
+                if len(self.connections) > self.max_connections:
+                    self._drop_connection(fd, f"over the limit of {self.max_connections} connections")
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.connections_closed += 1
+                gone = self.connections.pop(fd, None)
+                pid = gone[0] if gone is not None else None
+                if pid is not None and not any(c[0] == pid for c in self.connections.values()):
+                    # the process has no connection left: its sessions cannot hear anything again
+                    for identity, s in list(self.sessions.items()):
+                        if s.pid == pid:
+                            self.end_session(identity, "connection closed")
+
+    def drop_idle_connections(self) -> None:
+        """Connections that said no hello within HELLO_TIMEOUT (a real client says it at once) and
+        whose process has no session are dropped: each holds a descriptor."""
+        limit = time.monotonic() - HELLO_TIMEOUT
+        pids = {s.pid for s in self.sessions.values()}
+        for fd, (pid, since) in list(self.connections.items()):
+            if since < limit and pid not in pids:
+                self._drop_connection(fd, f"no hello within {HELLO_TIMEOUT} s")
+                self.connections[fd][1] = time.monotonic()  # once; the disconnect removes it
+
+    def _drop_connection(self, fd: int, why: str) -> None:
+        """Shut a client connection down under ZeroMQ (which then closes it, as when the process
+        goes). Only if descriptor ``fd`` is still that connection: a Unix socket of our path
+        whose peer is the process recorded at accept (a descriptor number can be reused)."""
+        c = self.connections.get(fd)
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            if (sock.family == socket.AF_UNIX and sock.getsockname() == self.socket_path
+                    and c is not None and _peer_pid(sock.fileno()) == c[0]):
+                sock.shutdown(socket.SHUT_RDWR)
+                self.connections_dropped += 1
+                now = time.monotonic()
+                if now - self._drop_logged > 1.0:  # a flood of them is one line a second
+                    log.warning("dropped %d client connection(s), the last of pid %s: %s",
+                                self.connections_dropped - self._drops_at_log, c[0], why)
+                    self._drop_logged, self._drops_at_log = now, self.connections_dropped
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
     # -- sessions ---------------------------------------------------------------------------------
     def end_session(self, identity: bytes, why: str) -> None:
         s = self.sessions.pop(identity, None)
@@ -863,6 +972,9 @@ class Daemon:
             "bytes_received": self.net.bytes_received if self.net else 0,
             # from the left neighbour (elastic mode: any peer), on TCP connections that broke (PeerNet.take_gap)
             "messages_lost": self.net.messages_lost if self.net else 0,
+            "client_connections": len(getattr(self, "connections", ())),
+            "client_connections_dropped": getattr(self, "connections_dropped", 0),
+            "max_sessions": self.max_sessions,
             "state_bytes": self.states.total_bytes(),
             # codec state per job (tensors, bytes) and what the cap made room for (StateStore)
             "states": self.states.per_job(),
@@ -896,7 +1008,7 @@ class Daemon:
             self.net.close()
         if self.curve is not None:
             self.curve.close()
-        for sock in ("clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
+        for sock in ("conn_monitor", "clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
         try:
@@ -906,6 +1018,55 @@ class Daemon:
         self.ctx.term()
         log.info("stopped")
         return 0
+
+
+def session_limits(world: int) -> tuple[int, int]:
+    """(sessions, connections) this daemon accepts, so that they fit its descriptor limit: the soft
+    RLIMIT_NOFILE is raised to the hard one first (the systemd unit sets LimitNOFILE=8192, which
+    fits the 1024-session cap: 1024 x 5 + 256 + peers)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    except (ImportError, ValueError, OSError):
+        soft = 1024
+    budget = (soft if soft != -1 else 1 << 16) - RESERVED_FDS - 8 * world
+    sessions = max(1, min(MAX_SESSIONS, budget // FDS_PER_SESSION))
+    return sessions, sessions + 64
+
+
+def check_socket_dir(path: str) -> None:
+    """Refuse a socket directory another user could have prepared (the default under /tmp when
+    XDG_RUNTIME_DIR is unset is a name anyone can create first): it must belong to this user or
+    root, and nobody else may write to it unless it is sticky (as /tmp)."""
+    import stat
+    st = os.stat(path)
+    if st.st_uid not in (os.getuid(), 0):
+        raise_config(f"socket directory {path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}) or "
+                     "root: another user may have made it to receive your training processes' gradients; "
+                     "remove it, or pass --socket / set XDG_RUNTIME_DIR")
+    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+        raise_config(f"socket directory {path} is writable by every user (mode {st.st_mode & 0o7777:o}): anyone "
+                     "could replace the socket; use a directory only this user (and --shm-group) may write")
+
+
+def _peer_pid(fd: int) -> int | None:
+    """The pid at the other end of Unix socket descriptor ``fd`` (SO_PEERCRED), or None."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        return pid if pid > 0 else None
+    except (OSError, AttributeError):
+        return None
+    finally:
+        sock.close()
 
 
 def peer_credentials(frame: Any) -> tuple[int, int, int] | None:

@@ -95,6 +95,14 @@ def test_service_contract():
     assert one(d, "WantedBy") == "multi-user.target"
 
 
+def test_descriptor_limit_fits_the_session_cap():
+    """LimitNOFILE holds the daemon's session cap at its descriptors per session plus the reserve
+    (issue 19: enough sessions and the node dropped out of the ring)."""
+    from birdnet.daemon.service import FDS_PER_SESSION, MAX_SESSIONS, RESERVED_FDS
+    limit = int(one(directives(UNIT.read_text()), "LimitNOFILE"))
+    assert limit >= MAX_SESSIONS * FDS_PER_SESSION + RESERVED_FDS + 8 * 64  # up to 64 peers
+
+
 def test_hardening_keeps_shared_memory_and_jit_working():
     d = directives(UNIT.read_text())
     # /dev stays the host's (or, with PrivateDevices=yes, a private /dev with the host's /dev/shm
