@@ -346,3 +346,72 @@ def test_the_shared_payload_format_is_in_the_cluster_fingerprint():
     assert cw["codec_formats"]["birdplus.shared"] == 2 and cw["codec_formats"]["bird.shared"] == 2
     old = {k: v for k, v in cw.items() if k != "codec_formats"}
     assert old != cw
+
+
+def test_block_age_accumulator_reference_and_state_bytes():
+    # error feedback in 2 bytes per block (n/4 at blocks of 8): the accumulator of a block unsent
+    # for `age` rounds is estimated as min(age, age_cap) x the momentum now (NumPy reference)
+    n, b, mom, cap = 4000, 8, 0.9, 3
+    c = get_codec("birdplus", density=0.05, block=b, momentum=mom, accumulator="block_age", age_cap=cap,
+                  scale="none")
+    st = c.new_state(n)
+    m = -(-n // b)
+    assert set(st) == {"u", "age"} and st["age"].nbytes == 2 * m == n // 4 and st["u"].nbytes == 4 * n
+    u = np.zeros(n, np.float32)
+    age = np.zeros(m, np.int64)
+    for r in range(6):
+        x = grad(n, r, b)
+        out, p = decompress_one(c, x, contexts(n, rnd=r)[0], st)
+        u = np.float32(mom) * u + x
+        age += 1
+        ids = p.buffers[0].astype(np.int64)
+        w = np.repeat(np.minimum(age, cap).astype(np.float32), b)[:n]
+        kept = np.zeros(n, bool)
+        for i in ids:
+            kept[i * b:(i + 1) * b] = True
+        np.testing.assert_array_equal(out[kept], (u * w)[kept])
+        assert not out[~kept].any()
+        age[ids] = 0
+        np.testing.assert_array_equal(st["age"], age)
+        np.testing.assert_array_equal(st["u"], u)  # plain momentum: not cleared on send
+    with pytest.raises(CodecError, match="age_cap"):
+        get_codec("birdplus", accumulator="block_age", age_cap=0)
+    with pytest.raises(CodecError, match="accumulator"):
+        get_codec("birdplus", accumulator="bits")
+
+
+@pytest.mark.timeout(120)
+def test_block_age_shared_mode_identical_ages_on_every_node():
+    # in shared mode every node resets the same blocks: the ages are the same everywhere
+    n = 30_000
+    c = get_codec("birdplus", mode="shared", momentum=0.9, accumulator="block_age")
+    for _, _, res, after in ring_rounds(c, 5, n, 4):
+        assert len({r[0].tobytes() for r in res}) == 1
+        for s in after[1:]:
+            np.testing.assert_array_equal(s["age"], after[0]["age"])
+        assert c.state_nbytes(after[0]) - after[0]["u"].nbytes <= n // 4 + 8 * after[0]["ids"].shape[0] + 8
+
+
+def test_proposal_kernels_against_numpy():
+    from birdnet.kernels import blocks as B
+    rs = np.random.default_rng(4)
+    a = rs.exponential(1.0, 5000).astype(np.float32)
+    a[rs.integers(0, 5000, 300)] = 0.0
+    a[17], a[4000] = np.inf, np.nan
+    key = (a.view(np.uint32) & np.uint32(0x7FFFFFFF)).astype(np.int64)  # NaN > Inf > finite
+    for k in (1, 2, 50, 4800, 5000):
+        ref = np.sort(np.argsort(-key, kind="stable")[:k])
+        np.testing.assert_array_equal(B.top_blocks(a, k), ref[a[ref] != 0])
+    for m, base in ((5000, 1 << 24), (40_000, 1 << 11), (5_000_000, 1 << 11)):
+        d = 1 if m < base else (2 if m < base * base else 3)
+        ids = np.sort(rs.choice(m, 37, replace=False))
+        t = np.zeros(40 * d, np.float32)
+        B.encode_ids(ids, base, d, t)
+        np.testing.assert_array_equal(B.decode_ids(t, base, d, m), ids)
+    x = rs.standard_normal(70_001).astype(np.float32)
+    u = rs.standard_normal(70_001).astype(np.float32)
+    ref_u = np.float32(0.9) * u + x
+    out = np.empty(-(-70_001 // 8), np.float32)
+    B.momentum_norms(x, u, 0.9, 8, out)
+    np.testing.assert_array_equal(u, ref_u)
+    np.testing.assert_array_equal(out, B.block_norms(ref_u, 8))

@@ -48,6 +48,7 @@ def kept_blocks(density: float, m: int) -> int:
 
 
 _PROPOSERS = ("rotating", "every")
+_ACCUMULATORS = ("elements", "block_age")
 
 
 def id_digits(m: int, wire_dtype: str) -> tuple[int, int]:
@@ -72,6 +73,10 @@ class BlockSamplingCodec(Codec):
         "scale": "capped", "cap": 10.0, "error_feedback": True, "momentum": 0.0,
         # shared mode: who proposes the next round's blocks (docs/codecs.md, "shared mode")
         "proposers": "every",
+        # error feedback's memory: "elements" (v, 4 bytes per element) or "block_age" (2 bytes per
+        # block: rounds since the block was last sent; the accumulator is estimated as
+        # min(age, age_cap) x the momentum, docs/codecs.md "Error feedback in n/4 bytes")
+        "accumulator": "elements", "age_cap": 10,
     }
 
     # -- configuration ---------------------------------------------------------------------------
@@ -95,6 +100,13 @@ class BlockSamplingCodec(Codec):
         if params["proposers"] not in _PROPOSERS:
             raise CodecError(f"codec {name!r}: proposers (who picks the shared mode's next blocks) must be "
                              f"one of {', '.join(_PROPOSERS)}, got {params['proposers']!r}")
+        if params["accumulator"] not in _ACCUMULATORS:
+            raise CodecError(f"codec {name!r}: accumulator must be one of {', '.join(_ACCUMULATORS)}, "
+                             f"got {params['accumulator']!r}")
+        ac = params["age_cap"]
+        if isinstance(ac, bool) or not isinstance(ac, int) or not (1 <= ac <= 65535):
+            raise CodecError(f"codec {name!r}: age_cap (rounds of momentum a block-age accumulator stands "
+                             f"for at most) must be an integer in [1, 65535], got {ac!r}")
         params = C.feedback_params(name, params)
         shared = params["mode"] == "shared"
         # instance attributes: the daemon reads codec.pattern / codec.wire_dtype from the instance
@@ -104,7 +116,13 @@ class BlockSamplingCodec(Codec):
 
     # -- state -----------------------------------------------------------------------------------
     def new_state(self, n: int):
-        st = C.feedback_state(n, self.params) or {}
+        prm = self.params
+        if prm["error_feedback"] and prm["accumulator"] == "block_age":
+            st = {"age": np.zeros(-(-n // prm["block"]), np.uint16)}
+            if prm["momentum"] > 0.0:
+                st["u"] = np.zeros(n, np.float32)
+        else:
+            st = C.feedback_state(n, prm) or {}
         if self.params["mode"] == "shared":
             # this round's selection, decoded from the last round's result (identical on every
             # node); "round" says which tensor_round it is for, -1 = none yet
@@ -178,7 +196,27 @@ class BlockSamplingCodec(Codec):
         shared = prm["mode"] == "shared"
         norms = np.empty(m, np.float32)
         st = None
-        if prm["error_feedback"]:
+        age_w = None
+        if prm["error_feedback"] and prm["accumulator"] == "block_age":
+            # the accumulator a block would have after `age` rounds unsent, estimated from the
+            # momentum now: the same renewal count as error feedback, 2 bytes per block
+            ast = C.require_state(self.name, state, 0, ())
+            age = ast.get("age")
+            if age is None or age.shape[0] != m or ("u" in ast) != (prm["momentum"] > 0.0):
+                raise CodecError(f"codec {self.name!r}: missing or mis-sized block-age state; create it "
+                                 "with codec.new_state(n)")
+            if "u" in ast:
+                C.require_state(self.name, state, n, ("u",))
+                src = ast["u"]
+                B.momentum_norms(x, src, prm["momentum"], b, norms)
+            else:
+                src = x
+                B.block_norms(x, b, norms)
+            np.add(age, np.uint16(1), out=age, where=age < np.uint16(65535))  # saturating
+            age_w = np.minimum(age, np.uint16(prm["age_cap"])).astype(np.float32)
+            norms *= age_w
+            amax = B.finite_max(norms)
+        elif prm["error_feedback"]:
             st = C.require_state(self.name, state, n, ("v",))
             src = st["v"]
             amax = B.norms_max(x, st.get("u"), src, prm["momentum"], b, norms, error_feedback=True)
@@ -194,6 +232,9 @@ class BlockSamplingCodec(Codec):
             pk, ids = self._local_selection(norms, amax, ctx)
             scale = self._scales(pk)
         k = int(ids.shape[0])
+        if age_w is not None:
+            scale = scale * age_w[ids]
+            state["age"][ids] = 0
         f16 = prm["value_dtype"] == "float16"
         tail_len = self._tail_len(m, ctx.world) if shared else 0
         buf = np.empty(k * b + tail_len, np.float32)
@@ -211,7 +252,8 @@ class BlockSamplingCodec(Codec):
                 B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
         if shared:
             # what is left on this node after the send: the sent blocks are (close to) zero
-            B.residual_norms(norms, ids, scale)
+            # (a block-age block is empty once sent: its age restarts)
+            B.residual_norms(norms, ids, scale if age_w is None else np.ones(k, np.float32))
             self._propose(norms, buf[k * b:], m, ctx)
             # the selection was fixed before this round's data, so a NaN/Inf outside the kept
             # blocks would not reach the result: poison the summed values so it does

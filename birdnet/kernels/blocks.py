@@ -66,7 +66,8 @@ _INF_BITS = np.int32(0x7F800000)
 @njit(cache=True)
 def _norms_chunk(xs, us, vs, momentum, b, mode, out):
     """Block norms of one chunk (xs, us, vs: its elements; out: its blocks). mode 0: out = L1(x);
-    1: v += x, out = L1(v); 2: u = momentum*u + x, v += u, out = L1(v). Returns the largest finite
+    1: v += x, out = L1(v); 2: u = momentum*u + x, v += u, out = L1(v); 3: u = momentum*u + x,
+    out = L1(u) (the block-age accumulator, which keeps no v). Returns the largest finite
     norm as int32 bits (for non-negative floats the bit order is the value order; NaN/Inf excluded).
     Full blocks of 8 take an unrolled path with the same arithmetic as _block_l1."""
     n = xs.shape[0]
@@ -83,19 +84,29 @@ def _norms_chunk(xs, us, vs, momentum, b, mode, out):
                 for i in range(8):
                     vs[lo + i] = vs[lo + i] + xs[lo + i]
                 out[j] = _block_l1_8(vs, lo)
-        else:
+        elif mode == 2:
             for j in range(jf):
                 lo = 8 * j
                 for i in range(8):
                     us[lo + i] = momentum * us[lo + i] + xs[lo + i]
                     vs[lo + i] = vs[lo + i] + us[lo + i]
                 out[j] = _block_l1_8(vs, lo)
+        else:
+            for j in range(jf):
+                lo = 8 * j
+                for i in range(8):
+                    us[lo + i] = momentum * us[lo + i] + xs[lo + i]
+                out[j] = _block_l1_8(us, lo)
         j0 = jf
     for j in range(j0, nb):
         lo = j * b
         hi = min(n, lo + b)
         if mode == 0:
             out[j] = _block_l1(xs, lo, hi)
+        elif mode == 3:
+            for i in range(lo, hi):
+                us[i] = momentum * us[i] + xs[i]
+            out[j] = _block_l1(us, lo, hi)
         else:
             if mode == 1:
                 for i in range(lo, hi):
@@ -125,7 +136,7 @@ def _norms_one_chunk(x, u, v, momentum, b, mode, out, c):
     j1 = min(out.shape[0], j0 + _NORM_CHUNK)
     lo = j0 * b
     hi = min(n, j1 * b)
-    return _norms_chunk(x[lo:hi], u[lo:hi] if mode == 2 else u, v[lo:hi] if mode != 0 else v,
+    return _norms_chunk(x[lo:hi], u[lo:hi] if mode >= 2 else u, v[lo:hi] if mode in (1, 2) else v,
                         momentum, b, mode, out[j0:j1])
 
 
@@ -197,6 +208,18 @@ def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentu
     bits = kern(x, e if u is None or mode != 2 else u, e if mode == 0 else v, np.float32(momentum),
                 np.int64(b), np.int64(mode), out)
     return float(np.array([bits], np.int32).view(np.float32)[0])
+
+
+def momentum_norms(x: np.ndarray, u: np.ndarray, momentum: float, b: int, out: np.ndarray) -> None:
+    """One pass: ``u = momentum*u + x`` and the block L1 norms of u into ``out`` (the block-age
+    accumulator of docs/codecs.md keeps the momentum only; the same per-block arithmetic as
+    :func:`norms_max`, so the same for any thread count)."""
+    n = x.shape[0]
+    _check(x, np.float32, "momentum_norms x")
+    _check(u, np.float32, "momentum_norms u", n)
+    _check(out, np.float32, "momentum_norms out", -(-n // b))
+    kern = _norms_pass if n >= SERIAL_BELOW else _norms_pass_serial
+    kern(x, u, np.empty(0, np.float32), np.float32(momentum), np.int64(b), np.int64(3), out)
 
 
 # -- weights and probabilities (O(m), sequential, float64) -----------------------------------------
@@ -1441,3 +1464,9 @@ def uniform_blocks(seed: int, m: int, k: int) -> np.ndarray:
     from birdnet.kernels import sparse
 
     return sparse.randomk_indexes(seed, m, k)[0]
+
+
+def finite_max(a: np.ndarray) -> float:
+    """The largest finite value of non-negative float32 ``a`` (0.0 when there is none)."""
+    _check(a, np.float32, "finite_max a")
+    return float(_finite_max_any(a))
