@@ -112,6 +112,8 @@ class _Engine:
         os.set_blocking(self._wfd, False)
         self._closing = False
         self.users = 0  #: HookStates that made this engine and close it (HookState.close)
+        self._idle_poller = zmq.Poller()
+        self._idle_poller.register(self._rfd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name="birdnet-torch", daemon=True)
         self._thread.start()
 
@@ -124,6 +126,16 @@ class _Engine:
         self._queue.append(_Request(start, finish, fut, what, deadline))
         self._wake()
         return fut
+
+    def _start_queued(self) -> None:
+        while self._queue:
+            req = self._queue.popleft()
+            try:
+                req.handle = req.start(self.client)
+            except BaseException as exc:  # noqa: BLE001 - the caller hears it through its future
+                req.future.set_exception(exc)
+                continue
+            self._inflight.append(req)
 
     def _wake(self) -> None:
         try:
@@ -145,44 +157,55 @@ class _Engine:
 
     # -- the thread -------------------------------------------------------------------------------
     def _run(self) -> None:
-        c = self.client
         while True:
-            while self._queue:
-                req = self._queue.popleft()
-                try:
-                    req.handle = req.start(c)
-                except BaseException as exc:  # noqa: BLE001 - the caller hears it through its future
-                    req.future.set_exception(exc)
-                    continue
-                self._inflight.append(req)
+            self._start_queued()
             self._finish_ready()
             if self._closing and not self._queue and not self._inflight:
                 return
-            poller = zmq.Poller()
-            poller.register(self._rfd, zmq.POLLIN)
-            daemon_fds = []
             if self._inflight:
-                for s in (c._sock, c._monitor, c._door.fd if c._door is not None else None):
-                    if s is not None:
-                        poller.register(s, zmq.POLLIN)
-                        daemon_fds.append(s)
-            wait = 1.0
-            deadlines = [r.deadline for r in self._inflight if r.deadline is not None]
-            if deadlines:
-                wait = max(0.0, min(wait, min(deadlines) - time.monotonic()))
-            events = dict(poller.poll(int(wait * 1000) + 1))
-            if self._rfd in events:
-                try:
-                    while os.read(self._rfd, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            if self._inflight and (any(s in events for s in daemon_fds) or not events):
-                try:
-                    c._pump(0.0)  # results into c._replies (whichever way they came)
-                except BirdnetError as exc:
-                    self._fail_all(exc)
-            self._expire()
+                self._poll_daemon()
+                continue
+            if dict(self._idle_poller.poll(1000)).get(self._rfd):
+                self._drain_pipe()
+
+    def _drain_pipe(self) -> None:
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _poll_daemon(self) -> None:
+        c = self.client
+        poller = zmq.Poller()
+        poller.register(self._rfd, zmq.POLLIN)
+        daemon_fds = []
+        for s in (c._sock, c._monitor, c._door.fd if c._door is not None else None):
+            if s is not None:
+                poller.register(s, zmq.POLLIN)
+                daemon_fds.append(s)
+        wait = 1.0
+        deadlines = [r.deadline for r in self._inflight if r.deadline is not None]
+        if deadlines:
+            wait = max(0.0, min(wait, min(deadlines) - time.monotonic()))
+        events = dict(poller.poll(int(wait * 1000) + 1))
+        if self._rfd in events:
+            self._drain_pipe()
+        door = c._door
+        if door is not None and door.fd in events:
+            # the usual way results come: read them without the 1 ms poll _pump ends with
+            door.read()
+            while door.pending:
+                h = door.pending.popleft()
+                if isinstance(h.get("call"), int):
+                    c._replies[h["call"]] = h
+        others = [s for s in daemon_fds if door is None or s is not door.fd]
+        if any(s in events for s in others) or not events or (door is not None and door.eof):
+            try:
+                c._pump(0.0)  # the socket and the monitor: errors, results too big for the doorbell, a lost daemon
+            except BirdnetError as exc:
+                self._fail_all(exc)
+        self._expire()
 
     def _finish_ready(self) -> None:
         replies = self.client._replies
@@ -203,8 +226,7 @@ class _Engine:
         now = time.monotonic()
         for req in [r for r in self._inflight if r.deadline is not None and now >= r.deadline]:
             self._inflight.remove(req)
-            if req.handle is not None and req.handle.slot is not None:
-                req.handle.slot.busy = False
+            # the slot stays busy: the daemon may still write the late result into it
             req.future.set_exception(RoundTimeoutError(
                 f"{req.what} did not complete within the process group's timeout; a process of the job "
                 "may not have called it (birdnet status shows the job's processes)"))
