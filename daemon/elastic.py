@@ -42,6 +42,7 @@ import zmq
 from birdnet.daemon.engine import MAX_BATCH, LocalRound, RingWorker
 from birdnet.daemon.peers import (
     PeerNet,
+    RingNeighbours,
     RoundAborted,
     RoundTransport,
     frames_nbytes,
@@ -61,7 +62,7 @@ from birdnet.errors import (
     RoundTimeoutError,
     ShutdownError,
 )
-from birdnet.messages import Abort, Membership, extend_batch, verdicts_of_go
+from birdnet.messages import Abort, Membership, extend_batch, is_int, verdicts_of_go
 
 log = logging.getLogger("birdnet.elastic")
 
@@ -292,23 +293,10 @@ class ElasticPeerNet(PeerNet):
         return {"h": header, "b": bufs, "from": r}
 
     def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
-        reason = None
         r = h.get("rank")
         who = self._peer_of_connection(frame) if self.curve is not None else None
-        if h.get("proto") != PROTOCOL_VERSION:
-            reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
-        elif h.get("world") != self.world:
-            reason = (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
-                      f"rank {self.rank}'s has {self.world}")
-        elif not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world or r == self.rank:
-            reason = f"the peer claims rank {r!r}, which is not another rank of the {self.world}-node ring"
-        elif h.get("cw") != self.cluster_wide:
-            theirs = h.get("cw") if isinstance(h.get("cw"), dict) else {}
-            diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
-                     for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
-            reason = "cluster-wide settings differ: " + "; ".join(diffs)
-        elif self.curve is not None and not (who or "").startswith(f"rank {r} "):
-            reason = f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank {r}"
+        reason = self._ping_refusal(h, who, r, None if (is_int(r) and 0 <= r < self.world and r != self.rank) else (
+            f"the peer claims rank {r!r}, which is not another rank of the {self.world}-node ring"))
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})
@@ -335,70 +323,6 @@ class ElasticPeerNet(PeerNet):
             self.left_identity, self.left_seen = identity, self.seen[r]
         self._reply(identity, {"t": "pong", "rank": self.rank, "ep": self.epoch, "inc": self.incarnation,
                                "want": self.want})
-
-
-class ElasticTransport(RoundTransport):
-    """The transport of one round on the live ring ``members``: rank and world are positions in it."""
-
-    def __init__(self, net: ElasticPeerNet, key: str, members: list[int], restarts_at: int | None = None) -> None:
-        super().__init__(net, key, restarts_at)
-        self.members = members
-        pos = members.index(net.rank)
-        self.rank, self.world = pos, len(members)
-        self.right_rank = members[(pos + 1) % len(members)]
-        self.left_rank = members[(pos - 1) % len(members)]
-
-    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
-        h = dict(header)
-        h["k"] = self.key
-        before = self.net.bytes_sent
-        tracker = self.net.send(h, buffers, track=True, to=self.right_rank)
-        if tracker is not None:
-            self.trackers.append(tracker)
-        self.bytes_sent += self.net.bytes_sent - before
-
-    def _right(self) -> str:
-        return f"rank {self.right_rank} ({self.net.peers[self.right_rank].address})"
-
-    def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        net = self.net
-        while True:
-            if net.stopping:
-                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {net.rank} is shutting down")
-            now = time.monotonic()
-            why = net.gone(self.members, self.restarts_at, now)
-            if why:
-                raise PeerLostError(f"{why} during round {self.key}")
-            self._check_gap()
-            if now >= deadline:
-                raise PeerLostError(f"no data from rank {self.left_rank} ({net.peers[self.left_rank].address}) for "
-                                    f"round {self.key} within {net.settings.peer_timeout} s")
-            before = net.bytes_received
-            msg = net.poll(min(deadline - now, net.settings.heartbeat_interval))
-            if msg is None:
-                continue
-            h, frm = msg["h"], msg.get("from")
-            if frm not in self.members:
-                continue
-            a = Abort.from_header(h) if h.get("t") == "abort" else None
-            if a is not None and a.key in (self.key, None):
-                raise RoundAborted(a.reason)
-            if frm != self.left_rank:
-                continue
-            if h.get("t") == "start":
-                self.interrupt = msg
-                raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
-            if h.get("t") != "data" or h.get("k") != self.key:
-                continue
-            self._check_gap()  # data that came after lost messages is not used
-            self.bytes_received += net.bytes_received - before
-            return h, msg["b"]
-
-    def _check_gap(self) -> None:
-        """RoundTransport._check_gap for elastic mode: a gap on the connection from the left member."""
-        gap = self.net.take_gap_from(self.left_rank)
-        if gap:
-            raise PeerLostError(f"round {self.key}: {gap}; this call failed, the next one runs afresh")
 
 
 class ElasticRingWorker(RingWorker):
@@ -786,8 +710,8 @@ class ElasticRingWorker(RingWorker):
         self._apply(ep, ring, leader, g.get("I"))
         self._run_batch(verdicts_of_go(g, key, len(ring), self.ready), since)
 
-    def _round_transport(self, key: str, since: int) -> ElasticTransport:
-        return ElasticTransport(self.net, key, self.ring, since)
+    def _round_transport(self, key: str, since: int) -> RoundTransport:
+        return RoundTransport(self.net, key, since, neighbours=RingNeighbours(self.net, self.ring))
 
     def _note_contributors(self, rnd: LocalRound, counts: list[int]) -> None:
         rnd.stats["contributors"] = [r for r, c in zip(self.ring, counts) if c > 0]

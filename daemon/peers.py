@@ -717,26 +717,32 @@ class PeerNet:
             return None
         return user.decode(errors="replace") if isinstance(user, bytes) else user
 
-    def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
-        reason = None
-        expected = self.left.rank
-        who = self._peer_of_connection(frame) if self.curve is not None else None
+    def _ping_refusal(self, h: dict[str, Any], who: str | None, rank: Any, rank_problem: str | None) -> str | None:
+        """Why a ping is refused, else None: protocol version, world size, the rank it claims
+        (``rank_problem``: the caller's check of ``rank``), cluster-wide settings, and with CURVE
+        whether the connection's key (``who``) is that rank's. The one handshake check of both rings."""
         if h.get("proto") != PROTOCOL_VERSION:
-            reason = f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
-        elif h.get("world") != self.world:
-            reason = (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
-                      f"rank {self.rank}'s has {self.world}")
-        elif h.get("rank") != expected:
-            reason = (f"the peer claims rank {h.get('rank')!r}, but rank {self.rank}'s left neighbour is "
-                      f"rank {expected} ({self.left.address}); check the order of the hosts files")
-        elif h.get("cw") != self.cluster_wide:
+            return f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
+        if h.get("world") != self.world:
+            return (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
+                    f"rank {self.rank}'s has {self.world}")
+        if rank_problem:
+            return rank_problem
+        if h.get("cw") != self.cluster_wide:
             theirs = h.get("cw") if isinstance(h.get("cw"), dict) else {}
             diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
                      for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
-            reason = "cluster-wide settings differ: " + "; ".join(diffs)
-        elif self.curve is not None and not (who or "").startswith(f"rank {expected} "):
-            reason = (f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank "
-                      f"{expected}")
+            return "cluster-wide settings differ: " + "; ".join(diffs)
+        if self.curve is not None and not (who or "").startswith(f"rank {rank} "):
+            return f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank {rank}"
+        return None
+
+    def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
+        expected = self.left.rank
+        who = self._peer_of_connection(frame) if self.curve is not None else None
+        reason = self._ping_refusal(h, who, expected, None if h.get("rank") == expected else (
+            f"the peer claims rank {h.get('rank')!r}, but rank {self.rank}'s left neighbour is "
+            f"rank {expected} ({self.left.address}); check the order of the hosts files"))
         if reason is None:
             reason = self._duplicate_claim(identity, expected, h.get("inc"))
         if reason:
@@ -787,18 +793,102 @@ class LaneGivenUp(Exception):
     it back and runs it again when the leader starts it. Internal to the daemon."""
 
 
+class FixedNeighbours:
+    """Who a round's transport talks to on the fixed ring: the hosts file's left and right
+    neighbours, every node in every round. A round fails when any peer is lost or a neighbour
+    restarted; aborts of other rounds pass through every node (they travel until next to their
+    origin, RingWorker._abort)."""
+
+    other_aborts = True
+
+    def __init__(self, net: PeerNet) -> None:
+        self.net = net
+        self.rank, self.world = net.rank, net.world
+
+    def send(self, net: Any, header: dict[str, Any], buffers: Sequence[Any], track: bool):
+        return net.send(header, buffers, track=track)
+
+    def why_gone(self, net: Any, key: str, since: int) -> str | None:
+        lost = net.lost()
+        if lost:
+            return f"lost peer {net.describe_lost(lost)} during round {key}"
+        restarted = net.restarted_since(since)
+        return f"round {key} cannot complete: {restarted} during it" if restarted else None
+
+    def take_gap(self, net: Any, key: str) -> str | None:
+        gap = net.take_gap()
+        return f"round {key}: {gap}" if gap else None
+
+    def accepts(self, msg: dict[str, Any]) -> bool:
+        return True  # only the accepted left neighbour's messages reach the ROUTER's reader
+
+    def from_left(self, msg: dict[str, Any]) -> bool:
+        return True
+
+    def describe_left(self) -> str:
+        return f"left neighbour rank {self.net.left.rank} ({self.net.left.address})"
+
+    def describe_right(self) -> str:
+        return f"right neighbour rank {self.net.right.rank} ({self.net.right.address})"
+
+
+class RingNeighbours:
+    """Who a round's transport talks to on an elastic ring ``members`` (sorted ranks of the hosts
+    file): rank and world are positions in it, the neighbours the members before and after this
+    node. A round fails when a member is lost or restarted; messages from nodes outside the ring
+    are ignored, and aborts of other rounds are not this round's business (they travel the ring of
+    their own round)."""
+
+    other_aborts = False
+
+    def __init__(self, net: Any, members: list[int]) -> None:
+        self.members = members
+        pos = members.index(net.rank)
+        self.rank, self.world = pos, len(members)
+        self.right_rank = members[(pos + 1) % len(members)]
+        self.left_rank = members[(pos - 1) % len(members)]
+        self.left, self.right = net.peers[self.left_rank], net.peers[self.right_rank]
+
+    def send(self, net: Any, header: dict[str, Any], buffers: Sequence[Any], track: bool):
+        return net.send(header, buffers, track=track, to=self.right_rank)
+
+    def why_gone(self, net: Any, key: str, since: int) -> str | None:
+        why = net.gone(self.members, since)
+        return f"{why} during round {key}" if why else None
+
+    def take_gap(self, net: Any, key: str) -> str | None:
+        gap = net.take_gap_from(self.left_rank)
+        return f"round {key}: {gap}; this call failed, the next one runs afresh" if gap else None
+
+    def accepts(self, msg: dict[str, Any]) -> bool:
+        return msg.get("from") in self.members
+
+    def from_left(self, msg: dict[str, Any]) -> bool:
+        return msg.get("from") == self.left_rank
+
+    def describe_left(self) -> str:
+        return f"rank {self.left_rank} ({self.left.address})"
+
+    def describe_right(self) -> str:
+        return f"rank {self.right_rank} ({self.right.address})"
+
+
 class RoundTransport:
     """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
-    messages with the round key, drops stale ones, notices aborts and lost peers."""
+    messages with the round key, drops stale ones, notices aborts and lost peers. ``neighbours``
+    (FixedNeighbours by default, RingNeighbours in elastic mode) says who is in the round and who
+    its left and right are; the rest is the same on both rings."""
 
-    def __init__(self, net: PeerNet, key: str, restarts_at: int | None = None, lane: bool = False) -> None:
+    def __init__(self, net: Any, key: str, restarts_at: int | None = None, lane: bool = False,
+                 neighbours: FixedNeighbours | RingNeighbours | None = None) -> None:
         self.net, self.key = net, key
+        self.neighbours = FixedNeighbours(net) if neighbours is None else neighbours
         #: a lane round (started without an agreement): its messages say so, and waiting for data
         #: is waiting for the other nodes' processes too (round_timeout, not peer_timeout)
         self.lane = lane
         #: net.neighbour_restarts when the round's agreement began: a change fails the round
         self.restarts_at = net.neighbour_restarts if restarts_at is None else restarts_at
-        self.rank, self.world = net.rank, net.world
+        self.rank, self.world = self.neighbours.rank, self.neighbours.world
         self.bytes_sent = 0
         self.bytes_received = 0
         self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
@@ -812,7 +902,7 @@ class RoundTransport:
         if self.lane:
             h["ln"] = 1
         before = self.net.bytes_sent
-        tracker = self.net.send(h, [_as_frame(b) for b in buffers], track=True)
+        tracker = self.neighbours.send(self.net, h, [_as_frame(b) for b in buffers], True)
         if tracker is not None:
             self.trackers.append(tracker)
         self.bytes_sent += self.net.bytes_sent - before
@@ -834,12 +924,12 @@ class RoundTransport:
         self.trackers.clear()
 
     def _right(self) -> str:
-        return f"right neighbour rank {self.net.right.rank} ({self.net.right.address})"
+        return self.neighbours.describe_right()
 
     def _check_gap(self) -> None:
-        gap = self.net.take_gap()
+        gap = self.neighbours.take_gap(self.net, self.key)
         if gap:
-            raise PeerLostError(f"round {self.key}: {gap}")
+            raise PeerLostError(gap)
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         if self.lane:
@@ -856,15 +946,13 @@ class RoundTransport:
         return self._recv(deadline)
 
     def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        nb = self.neighbours
         while True:
             if self.net.stopping:
-                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.rank} is shutting down")
-            lost = self.net.lost()
-            if lost:
-                raise PeerLostError(f"lost peer {self.net.describe_lost(lost)} during round {self.key}")
-            restarted = self.net.restarted_since(self.restarts_at)
-            if restarted:
-                raise PeerLostError(f"round {self.key} cannot complete: {restarted} during it")
+                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.net.rank} is shutting down")
+            why = nb.why_gone(self.net, self.key, self.restarts_at)
+            if why:
+                raise PeerLostError(why)
             self._check_gap()
             now = time.monotonic()
             if now >= deadline:
@@ -873,17 +961,17 @@ class RoundTransport:
                         f"round {self.key} did not complete within round_timeout="
                         f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
                 raise PeerLostError(
-                    f"no data from left neighbour rank {self.net.left.rank} ({self.net.left.address}) for "
-                    f"round {self.key} within {self.net.settings.peer_timeout} s")
+                    f"no data from {nb.describe_left()} for round {self.key} within "
+                    f"{self.net.settings.peer_timeout} s")
             before = self.net.bytes_received
             msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
-            if msg is None:
+            if msg is None or not nb.accepts(msg):
                 continue
             h = msg["h"]
             a = Abort.from_header(h) if h.get("t") == "abort" else None
             if a is not None and a.key in (self.key, None):
                 raise RoundAborted.of(a)
-            if a is not None and a.origin is not None and self.on_other_abort is not None:
+            if a is not None and a.origin is not None and nb.other_aborts and self.on_other_abort is not None:
                 self.on_other_abort(a)
                 if self.lane and _earlier_of_job(a.key, self.key):
                     # An earlier round of this job failed somewhere. The node that failed it closed
@@ -891,6 +979,8 @@ class RoundTransport:
                     # segment of it: give it up and run it agreed (the job loses no second call).
                     # (A later one's failure is only remembered: this round can still complete.)
                     raise LaneGivenUp(self.key)
+                continue
+            if not nb.from_left(msg):
                 continue
             if h.get("t") == "start":
                 self.interrupt = msg

@@ -255,7 +255,11 @@ def test_elastic_a_jump_fails_the_round_waiting_for_that_rank_only(elastic):
     """A TCP reset between two live daemons loses what was in flight on that one connection: the
     round waiting for data from that rank fails at once; a gap on another rank's connection is not
     this round's."""
-    from birdnet.daemon.elastic import ElasticTransport
+    from birdnet.daemon.peers import RingNeighbours, RoundTransport
+
+    def elastic_transport(net, key, members, restarts_at=None):  # the transport of a round on ring ``members``
+        return RoundTransport(net, key, restarts_at, neighbours=RingNeighbours(net, members))
+
     net, settings, peer, _ = elastic
     left, other = peer(2, b"r2-a"), peer(1, b"r1-a")  # rank 0's left member is rank 2
     left.send_multipart(elastic_ping(settings, 2, 1))
@@ -264,17 +268,17 @@ def test_elastic_a_jump_fails_the_round_waiting_for_that_rank_only(elastic):
     collect(net, 0.3)  # (two connections: no order between them)
     assert net.messages_lost == 2
     left.send_multipart(numbered({"t": "data", "k": "j/0", "i": 0}, 2))
-    h, _ = ElasticTransport(net, "j/0", [0, 1, 2]).recv(time.monotonic() + 5)
+    h, _ = elastic_transport(net, "j/0", [0, 1, 2]).recv(time.monotonic() + 5)
     assert h["i"] == 0  # rank 1's gap is not this round's
     assert "2 message(s) from rank 1" in net.take_gap_from(1)
     # one message from the left member lost: its next data does not complete the round
     left.send_multipart(numbered({"t": "data", "k": "j/1", "i": 1}, 4))
     with pytest.raises(PeerLostError, match=r"round j/1: 1 message\(s\) from rank 2 .* were lost: the TCP "
                                             r"connection between the two daemons broke"):
-        ElasticTransport(net, "j/1", [0, 1, 2]).recv(time.monotonic() + 5)
+        elastic_transport(net, "j/1", [0, 1, 2]).recv(time.monotonic() + 5)
     assert net.take_gap_from(2) is None  # one failed round per gap
     left.send_multipart(numbered({"t": "data", "k": "j/2", "i": 2}, 5))
-    h, _ = ElasticTransport(net, "j/2", [0, 1, 2]).recv(time.monotonic() + 5)
+    h, _ = elastic_transport(net, "j/2", [0, 1, 2]).recv(time.monotonic() + 5)
     assert h["i"] == 2 and net.messages_lost == 3
     assert [(p.rank, n) for p, n in net.messages_lost_by_peer()] == [(1, 2), (2, 1)]  # metrics, per sender
     # a restarted rank 2 (new connection) numbers afresh from its first ping
@@ -282,7 +286,7 @@ def test_elastic_a_jump_fails_the_round_waiting_for_that_rank_only(elastic):
     new.send_multipart(elastic_ping(settings, 2, 1))
     new.send_multipart(numbered({"t": "data", "k": "j/3", "i": 3}, 2))
     # (the round counts as begun after that restart, which the net sees only when it polls in recv)
-    h, _ = ElasticTransport(net, "j/3", [0, 1, 2], restarts_at=net.neighbour_restarts + 1).recv(time.monotonic() + 5)
+    h, _ = elastic_transport(net, "j/3", [0, 1, 2], restarts_at=net.neighbour_restarts + 1).recv(time.monotonic() + 5)
     assert h["i"] == 3 and net.messages_lost == 3
 
 
