@@ -1,5 +1,10 @@
 """Elastic mode (``birdnetd --elastic``): the ring goes on without a lost node.
 
+Size (about 700 lines): ElasticPeerNet and ElasticRingWorker still subclass PeerNet and RingWorker
+(membership, leader choice, admission and their own start/go waits); the round transport, the batch
+runner, the verdicts and the handshake checks are the base classes'. Turning membership into a
+strategy of one engine (issue 23) would leave this module the membership rules alone.
+
 Without it (the default), a lost node stops every round of the cluster until it is back. With it:
 
 * **Liveness, directly.** Every node keeps a DEALER to *every* other node (not only its right

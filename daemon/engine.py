@@ -1,5 +1,10 @@
 """The ring worker: the one thread that owns the peer sockets and runs rounds, one at a time.
 
+Size (over 1,000 lines): the round runner, the codec-state store and the ring worker's agreement,
+batches, aborts and dense lane are here together because the worker's parts share its round table
+(ready, order, aborted, lane) and run on its one thread. The planned split (issue 23) is a round
+object and a membership strategy shared with elastic mode, which would move the agreement out.
+
 Rounds reach it from the service thread once every local process of the job has submitted
 (:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0): it sends a
 ``start`` naming the round; each node appends its description once its own processes are ready and

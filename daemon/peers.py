@@ -1,5 +1,10 @@
 """Peer links: the ZeroMQ side of the ring.
 
+Size (about 1,000 lines): sockets, handshake, liveness, numbering, held messages, lane early data
+and the round transport are one module because PeerNet's state (the accepted left identity, the
+numbering, the held queue) is read by all of them on the ring thread; splitting it by concern
+(links, handshake, liveness) is planned (issue 23) and waits until the peer-port hardening settles.
+
 Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
 and connects one DEALER socket to its right neighbour. Everything a ring algorithm sends goes out
 on the DEALER; everything it receives comes in on the ROUTER. Only this module's owner thread (the
