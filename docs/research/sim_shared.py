@@ -168,10 +168,12 @@ def exchange(a, k, gs, U, V, AGE, nxt, t, rng):
         idl, scl = [], []
         if kl:
             i, sc2 = propose(a, post[(t + 1) % W], kl, rng, b)
-            idl.append(i); scl.append(sc2)
+            idl.append(i)
+            scl.append(sc2)
         for w in range(W):
             i, sc2 = propose(a, post[w], max(1, share), rng, b)
-            idl.append(i); scl.append(sc2)
+            idl.append(i)
+            scl.append(sc2)
         ids = np.concatenate(idl)
         sc = np.concatenate(scl)
         ids, first = np.unique(ids, return_index=True)
