@@ -350,6 +350,8 @@ class ElasticRingWorker(RingWorker):
     # -- plumbing ----------------------------------------------------------------------------------
     def _take_inbox(self, timeout: float = 0.0) -> None:
         import queue
+        while self.restarted_jobs:
+            self._forget_job(self.restarted_jobs.pop(0))
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -579,6 +581,16 @@ class ElasticRingWorker(RingWorker):
                 or [x[0] for x in descs] != order):
             raise ProtocolError(f"round {key}: malformed start message came back round the ring")
         return sorted(((int(r), d) for r, d in descs), key=lambda x: x[0])  # counts in ring-position order
+
+    def _forget_job(self, job: str) -> None:
+        """A job restarted on this node numbers its calls from 0, as it does on the others when the
+        whole job restarted: the offset of an earlier alignment no longer applies (kept, it gave this
+        node's rounds other numbers than everyone's, each waiting round_timeout). A node whose job
+        alone restarted while the others went on aligns again if it is a joiner (_maybe_align)."""
+        super()._forget_job(job)
+        if self.offsets.pop(job, 0):
+            log.info("job %r restarted on this node: its call numbers are its own again", job)
+        self.aligned.discard(job)
 
     def _maybe_align(self, key: str) -> None:
         """A joiner's first rounds: make its lowest waiting round of the job the one the leader started."""

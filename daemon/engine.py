@@ -42,7 +42,7 @@ import numpy as np
 from birdnet.daemon.peers import LaneGivenUp, RoundAborted, RoundTransport
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
-from birdnet.codecs.base import pack_buffers
+from birdnet.codecs.base import begin_round, commit_round, pack_buffers
 from birdnet.config import Settings
 from birdnet.errors import (
     BirdnetError,
@@ -320,7 +320,9 @@ class RoundRunner:
         d = rnd.desc
         params = {k: v for k, v in d["codec"].items() if k != "codec"}
         codec = get_codec(d["codec"]["codec"], **params)
-        state, tensor_round = self.states.get(rnd.job, d["name"], codec, x.size)
+        committed, tensor_round = self.states.get(rnd.job, d["name"], codec, x.size)
+        # the codec changes a scratch view; only a round that completes here commits it (StateTxn)
+        state = begin_round(committed)
         ctx = RoundContext(job=rnd.job, name=d["name"], shape=tuple(d["shape"]), round_id=rnd.seq,
                            rank=rank, world=world,
                            seed=seed_for(self.settings.cluster_seed, rnd.job, rnd.seq, d["name"]),
@@ -365,6 +367,7 @@ class RoundRunner:
             raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
         if codec.pattern != Pattern.MERGED:
             codec.after_round(state, out, ctx)
+        commit_round(state)
         self.states.advance(rnd.job, d["name"])
         rnd.stats["compress_seconds"] = comp + (time.perf_counter() - tc)
         rnd.stats["state_bytes"] = self.states.total_bytes()
@@ -422,12 +425,7 @@ class RingWorker(threading.Thread):
 
     def _take_inbox(self, timeout: float = 0.0) -> None:
         while self.restarted_jobs:
-            job = self.restarted_jobs.pop(0)
-            prefix = job + "/"
-            for k in [k for k in self.aborted if k.startswith(prefix)]:
-                del self.aborted[k]
-            if self.lane is not None and self.lane[0] == job:
-                self._close_lane()  # its numbering starts again: the leader agrees its next round
+            self._forget_job(self.restarted_jobs.pop(0))
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -449,6 +447,15 @@ class RingWorker(threading.Thread):
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _forget_job(self, job: str) -> None:
+        """The job's processes on this node all left and a new one came: its call numbering starts
+        again, so what this node remembers of its rounds by number goes."""
+        prefix = job + "/"
+        for k in [k for k in self.aborted if k.startswith(prefix)]:
+            del self.aborted[k]
+        if self.lane is not None and self.lane[0] == job:
+            self._close_lane()  # its numbering starts again: the leader agrees its next round
 
     def _tombstone(self, key: str) -> Tombstone | None:
         t = self.aborted.get(key)

@@ -148,3 +148,58 @@ def test_a_gap_in_the_left_neighbours_messages_fails_the_round_being_agreed():
     assert f"round {key} could not start: 1 message(s)" in str(barrier.error)
     assert [h["t"] for h in net.sent] == ["start", "abort"]  # its part of the agreement, then the failure
     assert net.gap is None  # taken once
+
+
+class _BrokenLink:
+    """A transport whose neighbour is gone: the round fails in its data phase, after the codec compressed."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, header, buffers=()):
+        raise PeerLostError("test: the right neighbour is gone")
+
+    def recv(self, deadline):
+        raise PeerLostError("test: the left neighbour is gone")
+
+    def flush(self, timeout):
+        pass
+
+
+def _state_bytes(runner: RoundRunner) -> dict:
+    st = runner.states.states[("j", "t")][1]
+    return {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("codec,params", [
+    ("topk", {"density": 0.05}), ("topk", {"density": 0.05, "momentum": 0.9}), ("dgc", {"density": 0.05}),
+    ("randomk", {"density": 0.05, "error_feedback": True}), ("efsign", {}), ("bird", {"density": 0.05}),
+    ("birdplus", {"density": 0.05}), ("birdplus", {"density": 0.05, "mode": "shared"}), ("marsit", {})])
+def test_a_failed_round_leaves_codec_state_as_it_was(codec, params):
+    """Codecs changed their state (error-feedback residuals, shared-mode importance) while they
+    compressed, before the round completed: a round failing in its data phase lost residuals (the
+    next call's feedback held this call's gradient, which was never sent) or left nodes with
+    different importance. Now the state changes only with a round that completes: after a failed
+    round it is bit for bit what it was, and running the call again gives exactly what a run that
+    never failed gives."""
+    world, n = 2, 5000
+    rng = np.random.default_rng(7)
+    xs = [[rng.standard_normal(n).astype(np.float32) for _ in range(world)] for _ in range(3)]
+
+    def rounds(k):
+        return [[_round(k, "t", [xs[k][r].copy()], codec, params)] for r in range(world)]
+
+    failing = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+    clean = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+    _run(world, rounds(0), failing)
+    _run(world, rounds(0), clean)
+    before = [_state_bytes(r) for r in failing]
+    for r in range(world):
+        with pytest.raises(PeerLostError):
+            failing[r].run(rounds(1)[r][0], _BrokenLink(r, world), r, world, [1] * world)
+    assert [_state_bytes(r) for r in failing] == before
+    for k in (1, 2):
+        got, want = _run(world, rounds(k), failing), _run(world, rounds(k), clean)
+        assert [g[0].tobytes() for g in got] == [w[0].tobytes() for w in want]
+    assert [_state_bytes(r) for r in failing] == [_state_bytes(r) for r in clean]

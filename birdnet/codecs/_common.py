@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from birdnet.codecs.base import RoundContext
+from birdnet.codecs.base import RoundContext, StateTxn, peek
 from birdnet.errors import CodecError
 
 
@@ -102,7 +102,18 @@ def feedback_state(n: int, params: dict[str, Any]) -> dict[str, np.ndarray] | No
 
 
 def accumulate(x: np.ndarray, state: dict[str, np.ndarray], momentum: float) -> np.ndarray:
-    """v (+)= x, with momentum correction when the state has u. Returns v (modified in place)."""
+    """v (+)= x, with momentum correction when the state has u. Returns v (modified in place; in a
+    round's StateTxn, written into a fresh array: the same float32 operations, no copy first)."""
+    if isinstance(state, StateTxn):
+        v = state.fresh("v")
+        if "u" in state:
+            u = state.fresh("u")
+            np.multiply(state.original("u"), np.float32(momentum), out=u)
+            u += x
+            np.add(state.original("v"), u, out=v)
+        else:
+            np.add(state.original("v"), x, out=v)
+        return v
     v = state["v"]
     if "u" in state:
         u = state["u"]
@@ -115,7 +126,7 @@ def accumulate(x: np.ndarray, state: dict[str, np.ndarray], momentum: float) -> 
 
 
 def require_state(codec: str, state: Any, n: int, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    if not isinstance(state, dict) or any(k not in state or state[k].shape[0] != n for k in keys):
+    if not isinstance(state, dict) or any(k not in state or peek(state, k).shape[0] != n for k in keys):
         raise CodecError(f"codec {codec!r}: missing or mis-sized state (expected {', '.join(keys)} of "
                          f"{n} elements); create it with codec.new_state(n)")
     return state

@@ -25,6 +25,15 @@ Codecs are stateless objects configured by parameters; per-tensor memory (error 
 momentum, compensation) lives in a *state* object that the daemon keeps per (job, tensor name) and
 hands to every call. ``state_nbytes`` reports it so the daemon can cap it.
 
+State changes only with a round that completes: the round runner hands a codec a
+:class:`StateTxn` over the tensor's state, not the state itself. Whatever the codec changes (in
+place, as codecs always did) goes into scratch copies made on first access; the runner commits
+them once the round has completed on this node, and a round that fails leaves the state as it was
+(error-feedback residuals are not lost with the failed call; shared-mode importance does not move
+on one node only). Codecs that overwrite a whole array take :meth:`StateTxn.fresh` instead, which
+skips the copy and reads the old values from :meth:`StateTxn.original` (``_common.accumulate`` does, for every error-feedback codec). No second copy of
+the state is kept between rounds: only the arrays of the round in flight exist twice.
+
 Randomness: ``ctx.seed`` is identical on every node for a given (cluster seed, job, round, tensor
 name); ``ctx.local_seed`` additionally mixes in the node's rank. Codecs that must agree across
 nodes (shared selections) draw only from ``ctx.seed`` with a counter-based generator.
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
@@ -185,3 +195,113 @@ def unpack_buffers(codec_name: str, header: dict[str, Any], buffers: list[memory
                              f"of {dt} items")
         arrays.append(np.frombuffer(buf, dtype=d))
     return Payload(header={k: v for k, v in header.items() if k != "dtypes"}, buffers=arrays)
+
+
+#: scratch arrays kept for the next rounds' StateTxn (arrays a commit replaced): without them every
+#: round's scratch arrays were new memory, and faulting 47 MB of fresh pages in cost more than the
+#: copy (11.7M float32, topk: +35-60 ms a call on this machine)
+SPARE_BYTES = 256 << 20
+SPARE_ARRAYS = 64
+
+
+class _Spares:
+    """Arrays a commit replaced, reused as scratch (a round ago at least, so no send still reads them)."""
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def take(self, like: np.ndarray) -> np.ndarray:
+        with self.lock:
+            for i in range(len(self.arrays) - 1, -1, -1):
+                a = self.arrays[i]
+                if a.shape == like.shape and a.dtype == like.dtype:
+                    del self.arrays[i]
+                    self.nbytes -= a.nbytes
+                    return a
+        return np.empty_like(like)
+
+    def give(self, a: np.ndarray) -> None:
+        if a.nbytes > SPARE_BYTES or not a.flags.owndata:
+            return
+        with self.lock:
+            self.arrays.append(a)
+            self.nbytes += a.nbytes
+            while self.nbytes > SPARE_BYTES or len(self.arrays) > SPARE_ARRAYS:
+                self.nbytes -= self.arrays.pop(0).nbytes
+
+
+_spares = _Spares()
+
+
+class StateTxn(dict):
+    """A round's view of one tensor's codec state (a dict of arrays and scalars): reads see the
+    committed state; the first access to an array copies it into a scratch array that the codec may
+    change in place; :meth:`commit` puts the round's arrays and values into the state. Without a
+    commit (the round failed) the state is untouched and the scratch arrays are simply dropped (not
+    reused: a send of the failed round may still read them). A dict subclass, so codecs that check
+    ``isinstance(state, dict)`` work unchanged."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__(state)
+        self._state = state
+        self._touched: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        v = dict.__getitem__(self, key)
+        if key not in self._touched and isinstance(v, np.ndarray):
+            copy = _spares.take(v)
+            np.copyto(copy, v)
+            v = copy
+            dict.__setitem__(self, key, v)
+            self._touched.add(key)
+        return v
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        dict.__setitem__(self, key, value)
+        self._touched.add(key)
+
+    def original(self, key: str) -> Any:
+        """``key`` as it was before this round (read only: it is the committed state)."""
+        return self._state[key]
+
+    def fresh(self, key: str) -> np.ndarray:
+        """An uninitialised scratch array for ``key`` (same shape and dtype) that the caller fills
+        whole (from :meth:`original`, say) instead of a copy it would overwrite anyway."""
+        new = _spares.take(dict.__getitem__(self, key))
+        dict.__setitem__(self, key, new)
+        self._touched.add(key)
+        return new
+
+    def commit(self) -> None:
+        for key in self._touched:
+            old = self._state.get(key)
+            new = dict.__getitem__(self, key)
+            self._state[key] = new
+            if isinstance(old, np.ndarray) and old is not new:
+                _spares.give(old)
+        self._touched.clear()
+
+
+def peek(state: dict[str, Any], key: str) -> Any:
+    """``state[key]`` to read only: in a round's StateTxn, without the copy a first access makes."""
+    return dict.__getitem__(state, key) if isinstance(state, StateTxn) else state[key]
+
+
+def overwrite(state: dict[str, Any], key: str) -> np.ndarray:
+    """``state[key]`` for a caller that writes every element (a round's scratch without the copy)."""
+    return state.fresh(key) if isinstance(state, StateTxn) else state[key]
+
+
+def begin_round(state: Any) -> Any:
+    """What a round's codec calls get instead of ``state`` (see :class:`StateTxn`)."""
+    return StateTxn(state) if isinstance(state, dict) else state
+
+
+def commit_round(txn: Any) -> None:
+    if isinstance(txn, StateTxn):
+        txn.commit()

@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
+from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
 from birdnet.errors import CodecError, ProtocolError
 from birdnet.kernels import signbits as sb
 
@@ -88,7 +88,8 @@ class SignRingCodec(Codec):
     def _state(self, state: Any, n: int, ctx: RoundContext) -> dict[str, Any]:
         if state is None:
             return self.new_state(n)
-        if not isinstance(state, dict) or not isinstance(state.get("c"), np.ndarray) or state["c"].shape != (n,):
+        if not isinstance(state, dict) or "c" not in state or not isinstance(peek(state, "c"), np.ndarray) \
+                or peek(state, "c").shape != (n,):
             raise CodecError(f"{self.name}: state of tensor {ctx.name!r} does not fit {n} elements; "
                              f"reset the state (client.reset_state()) after changing a tensor's shape")
         if self.params["momentum"] > 0 and "u" not in state:
@@ -106,9 +107,10 @@ class SignRingCodec(Codec):
         n = int(x.shape[0])
         st = self._state(state, n, ctx)
         inv_w = 1.0 / max(1, int(ctx.local_count))
-        sb.prepare_p(np.ascontiguousarray(x, np.float32), inv_w, st["c"], st["p"], self.params["momentum"],
+        p = overwrite(st, "p")  # written whole: no copy of the last round's p in a StateTxn
+        sb.prepare_p(np.ascontiguousarray(x, np.float32), inv_w, peek(st, "c"), p, self.params["momentum"],
                      st.get("u"))
-        return st["p"]
+        return p
 
     def local_scale(self, x: np.ndarray, p: np.ndarray, ctx: RoundContext) -> float:
         """This node's per-process scale sigma by the ``scale`` rule."""
@@ -141,16 +143,17 @@ class SignRingCodec(Codec):
         if state is None:
             return
         comp = self.params["compensation"]
-        p, c = state["p"], state["c"]
-        if comp == "global":
-            sb.sub_scaled(p, np.ascontiguousarray(result_sum, np.float32), 1.0 / max(1, int(ctx.total_count)), c)
+        p = state["p"]
+        if comp == "global":  # both kernels write c whole
+            sb.sub_scaled(p, np.ascontiguousarray(result_sum, np.float32), 1.0 / max(1, int(ctx.total_count)),
+                          overwrite(state, "c"))
         elif comp == "local":
-            sb.sub_signs(p, state["sigma"], c)
+            sb.sub_signs(p, state["sigma"], overwrite(state, "c"))
 
     def after_flush(self, state: Any, total: np.ndarray, ctx: RoundContext) -> None:
         """A flush round sent p at full precision: nothing is left to compensate."""
         if state is not None:
-            state["c"][:] = 0.0
+            overwrite(state, "c").fill(0.0)
 
     # -- ring hooks (overridden by subclasses) ---------------------------------------------------
     def segment_meta(self, state: Any, lo: int, hi: int, ctx: RoundContext) -> dict[str, float]:
