@@ -168,7 +168,7 @@ class _BrokenLink:
 
 
 def _state_bytes(runner: RoundRunner) -> dict:
-    st = runner.states.states[("j", "t")][1]
+    st = runner.states.states[("j", "t")].state
     return {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in st.items()}
 
 
