@@ -212,6 +212,32 @@ def test_peer_strings_cannot_forge_log_lines(ring, baseline, ctx):
         assert not [ln for ln in lines if ln.startswith("FORGED-LINE")], lines
 
 
+def test_oversized_and_wrong_typed_messages(ring, baseline, ctx):
+    """Over-limit frames (ZeroMQ drops the connection before allocating), many frames whose sum is
+    over the limit, too many frames, and headers whose ranks, keys, numbers and incarnations have
+    the wrong type: each dropped where it arrives, the sender refused where it speaks birdnet."""
+    cl, ports = ring
+    p = Peer(ctx, ports[1], SNDTIMEO=20000)
+    p.ping(rank=0)
+    chunk = b"\0" * (MAX_MESSAGE // 8 + 1)
+    p.send({"t": "data", "k": "default/1"}, [chunk] * 9)  # the sum is over max_message_bytes
+    p.send({"t": "data", "k": "default/1"}, [b"x"] * 100)  # over 64 buffers
+    p.send({"t": "data", "k": "default/1", "nbuf": 1, "sizes": [2 ** 40]}, [b"x"], raw=True)
+    for bad in ({"k": 7}, {"k": "no-seq"}, {"k": "default/1", "q": -1}, {"k": "default/1", "q": "1"},
+                {"k": "default/1", "o": [0]}, {"k": "default/1", "reason": {"a": 1}}):
+        p.send({"t": "abort", **bad})
+    p.ping(rank=0, inc=["not", "a", "string"])
+    p.ping(rank="0")
+    q = Peer(ctx, ports[0])
+    q.sock.send_multipart([b"birdnet/1", msgpack.packb({"t": "data", "nbuf": 1, "sizes": [8]}), b"\0" * (MAX_MESSAGE + 1)])
+    time.sleep(1.0)
+    p.close()
+    q.close()
+    log1 = cl.log(1)[baseline.logs[1]:]
+    assert "exceeds the" in log1 and "announces 100 buffers" in log1, log1[-3000:]
+    baseline.check()
+
+
 # -- floods ----------------------------------------------------------------------------------------
 
 def test_a_peer_that_never_reads_its_refusals(ring, baseline, ctx):
