@@ -63,6 +63,8 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
         # one round's CPU: every daemon thread (from /proc) and the processes' hand-off
         assert r["cpu_round_daemon_s"] > 0 and r["cpu_round_client_s"] > 0
         assert r["cpu_round_s"] == pytest.approx(r["cpu_round_daemon_s"] + r["cpu_round_client_s"])
+        threads = r["cpu_round_threads_s"]  # the daemons by thread: the ring thread does the work
+        assert threads["ring"] > 0 and sum(threads.values()) == pytest.approx(r["cpu_round_daemon_s"])
     # dense is exact (the mean of two float32 vectors, bit-identical everywhere)
     assert rows[(50000, "none")]["error"] < 1e-6
     # compressed codecs send fewer bytes than dense, and report a (finite) error: they are lossy

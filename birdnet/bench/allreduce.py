@@ -93,21 +93,33 @@ def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
     return res
 
 
-def task_cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of process ``pid`` (nanosecond resolution: the first field of
-    /proc/PID/task/TID/schedstat), 0.0 when unreadable. /proc is shared by network namespaces."""
-    total = 0
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of every thread of process ``pid`` by kind (nanosecond resolution: the first field
+    of /proc/PID/task/TID/schedstat): ``main`` (the process's first thread), ``ring`` (birdnetd's
+    ring worker, named birdnet-ring), ``zmq_io`` (ZeroMQ's I/O threads), ``other``; {} when
+    unreadable. /proc is shared by network namespaces."""
+    out: dict[str, float] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return out
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
         except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
+            continue
+        kind = ("main" if tid == str(pid) else "ring" if name == "birdnet-ring" else
+                "zmq_io" if name.startswith("ZMQbg/IO") else "other")
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
+    return out
+
+
+def task_cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of process ``pid`` (0.0 when unreadable)."""
+    return sum(thread_cpu_seconds(pid).values())
 
 
 def timed_loop(c, x: np.ndarray, buf: np.ndarray, mode: str, tensor: str, codec: str,
@@ -122,10 +134,11 @@ def timed_loop(c, x: np.ndarray, buf: np.ndarray, mode: str, tensor: str, codec:
     marks, stats = [], []
     c.barrier()
     prev = time.monotonic()
-    cpu0 = d0 = 0.0
+    cpu0 = 0.0
+    t0s: dict[str, float] = {}
     for i in range(warm + calls):
         if i == warm:
-            cpu0, d0 = time.process_time(), (task_cpu_seconds(daemon) if daemon else 0.0)
+            cpu0, t0s = time.process_time(), (thread_cpu_seconds(daemon) if daemon else {})
         t0 = time.monotonic()
         if mode == "own":
             h = c.allreduce_async(x, name=tensor, codec=codec, **params)
@@ -138,17 +151,20 @@ def timed_loop(c, x: np.ndarray, buf: np.ndarray, mode: str, tensor: str, codec:
             marks.append([prev, t0, t1])
             stats.append({k: h.stats[k] for k in ("t_ready", "t_data", "t_end", "cpu_seconds") if k in h.stats})
         prev = t1
-    return {"marks": marks, "stats": stats, "client_cpu": (time.process_time() - cpu0) / calls,
-            "daemon_cpu": ((task_cpu_seconds(daemon) - d0) / calls) if daemon else None}
+    client_cpu = (time.process_time() - cpu0) / calls
+    threads = {k: (v - t0s.get(k, 0.0)) / calls for k, v in thread_cpu_seconds(daemon).items()} if daemon else {}
+    return {"marks": marks, "stats": stats, "client_cpu": client_cpu,
+            "daemon_cpu": sum(threads.values()) if daemon else None, "daemon_threads": threads}
 
 
 def loop_figures(per_node: list[dict[str, Any]]) -> dict[str, Any]:
     """The loop of every node (timed_loop's results) as figures: ``time`` the median over calls of
     the slowest node's time from its previous result to this one; ``times`` those per call;
     ``mean`` the slowest node's average; ``cpu`` / ``daemon_cpu`` / ``client_cpu`` per round,
-    summed over nodes; ``phases`` medians over nodes and calls of one node's gap (previous result
-    to the call), hand-off in (call to its daemon having the input), wait (to the data phase: the
-    agreement, or the lane waiting for the other nodes), data phase, hand-off out (to the result)."""
+    summed over nodes, ``daemon_threads`` the daemons' by thread kind; ``phases`` medians over
+    nodes and calls of one node's gap (previous result to the call), hand-off in (call to its
+    daemon having the input), wait (to the data phase: the agreement, or the lane waiting for the
+    other nodes), data phase, hand-off out (to the result)."""
     calls = len(per_node[0]["marks"])
     times = [max(pn["marks"][i][2] - pn["marks"][i][0] for pn in per_node) for i in range(calls)]
     out: dict[str, Any] = {
@@ -158,6 +174,11 @@ def loop_figures(per_node: list[dict[str, Any]]) -> dict[str, Any]:
     dcpu = [pn["daemon_cpu"] for pn in per_node]
     out["daemon_cpu"] = sum(dcpu) if all(d is not None for d in dcpu) else None
     out["cpu"] = out["client_cpu"] + out["daemon_cpu"] if out["daemon_cpu"] is not None else None
+    threads: dict[str, float] = {}
+    for pn in per_node:
+        for k, v in (pn.get("daemon_threads") or {}).items():
+            threads[k] = threads.get(k, 0.0) + v
+    out["daemon_threads"] = threads
     parts: dict[str, list[float]] = {"gap": [], "in": [], "wait": [], "data": [], "out": []}
     for pn in per_node:
         for (prev, t0, t1), st in zip(pn["marks"], pn["stats"]):
@@ -385,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
                    # training process's hand-off (its copies in and out, the client's threads)
                    "cpu_round_s": lo["cpu"], "cpu_round_daemon_s": lo["daemon_cpu"],
                    "cpu_round_client_s": lo["client_cpu"], "cpu_round_buffer_s": lb["cpu"],
+                   # the daemons' part by thread (main, ring, zmq_io, other), summed over nodes
+                   "cpu_round_threads_s": lo.get("daemon_threads", {}),
                    "loop_trace": r["loop_trace"]}
             if n in gloo:
                 g = gloo[n]

@@ -1,5 +1,5 @@
 """Markdown tables for docs/benchmarks.md from the JSON that `birdnet bench allreduce --json` and
-`birdnet bench train --json` write: `python docs/results/tables.py ar|time|train FILE.json`."""
+`birdnet bench train --json` write: `python docs/results/tables.py ar|time|loop|train FILE.json`."""
 import json
 import sys
 
@@ -58,7 +58,29 @@ def train(path):
     return "\n".join(out)
 
 
+def loop(path):
+    """The loop (bench allreduce's headline): per row the loop time with the process's own arrays
+    and with client.buffer, the per-call time, Gloo's loop, the ratio, one round's CPU (all
+    daemon threads + the processes' hand-off, summed over nodes) against Gloo's, and the loop's
+    phases on one node (medians, ms): hand-off in, wait for the data phase, data phase, hand-off out."""
+    d = json.load(open(path))
+    out = ["| count | codec | loop (s) | client.buffer loop (s) | per call (s) | loop / call | Gloo loop (s) "
+           "| speed-up vs Gloo | CPU per round, birdnet / Gloo (ms) | in / wait / data / out (ms) |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in d["rows"]:
+        g = f"{r['gloo_loop_s']:.4f}" if "gloo_loop_s" in r else "—"
+        sp = f"**{r['loop_speedup_vs_gloo']:.2f}x**" if "loop_speedup_vs_gloo" in r else "—"
+        cpu = f"{r['cpu_round_s'] * 1e3:.0f}" if r.get("cpu_round_s") is not None else "—"
+        if "gloo_loop_cpu_s" in r:
+            cpu += f" / {r['gloo_loop_cpu_s'] * 1e3:.0f}"
+        ph = r["loop_phases_s"]
+        phs = " / ".join(f"{ph[k] * 1e3:.1f}" for k in ("in", "wait", "data", "out"))
+        out.append(f"| {r['count']:,} | {r['codec']} | {r['loop_s']:.4f} | {r['loop_buffer_s']:.4f} | {r['time_s']:.4f} "
+                   f"| {r['loop_vs_call']:.2f}x | {g} | {sp} | {cpu} | {phs} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
-    print({"ar": ar, "time": time_split, "train": train}[kind](path))
+    print({"ar": ar, "time": time_split, "loop": loop, "train": train}[kind](path))
 
