@@ -15,14 +15,19 @@ codec, a process that never came) fails the round everywhere with one message in
 The dense lane. The agreement costs two trips round the ring before any data moves (3-5 ms on
 4-8 nodes here), which Gloo, whose processes simply start sending, does not pay. So after a job's
 round was agreed, the leader's ``go`` opens a lane for the job's next round: each node starts it the
-moment its processes submit it, if it is a dense all-reduce, and the data carries what the
-agreement would have (the description, checked by the ring; the process counts, summed by it).
-The lane moves on with every lane round. It closes when the leader wants anything else (another
-job's round, or this job's next round is not a dense all-reduce): a ``lane`` message naming the
+moment its processes submit it, if it is an all-reduce, dense or compressed (a codec without
+flush rounds: RingWorker._lane_eligible), and the data carries what the agreement would have (the
+description, checked by the ring; the process counts, summed by it, or for a compressed round
+``local_size`` on every node, a cluster-wide setting, carried and checked too). A compressed lane
+round given up changed no codec state (only a completed round commits it), so it runs again once
+agreed as if it had never started. The lane moves on with every lane round. It
+closes when the leader wants anything else (another job's round, or this job's next round is a
+barrier, a broadcast or a codec with flush rounds): a ``lane`` message naming the
 round goes round the ring ahead of the leader's next ``start``, and a node already in that round
 gives it up and runs it again once it is agreed. That is safe because a round writes a node's
 buffers only when a message that passed through every node arrives (ring_allreduce keeps its
-partial sums out of them), and the leader sends no data for a round it closed the lane before. Any failure, a
+partial sums out of them; the compressed rings write the result once every node's part is
+there), and the leader sends no data for a round it closed the lane before. Any failure, a
 lost peer or a restarted neighbour closes the lane too; a lane round in progress that learns of
 the failure of an earlier round of its job is given up and agreed like the others
 (docs/architecture.md, "The dense lane").
@@ -50,6 +55,7 @@ from birdnet.errors import (
     InputError,
     PeerLostError,
     ProtocolError,
+    RoundMismatchError,
     RoundTimeoutError,
     ShutdownError,
     StateLimitError,
@@ -219,6 +225,15 @@ def describe_difference(descs: list[tuple[int, dict[str, Any]]]) -> str | None:
     return f"round for tensor {d0.get('name')!r} does not match across nodes: " + "; ".join(diffs)
 
 
+def description_digest(desc: dict[str, Any], count: int) -> str:
+    """A short digest of what an agreement compares (AGREED) and this node's process count, for
+    compressed lane rounds: their payloads are small, and the whole description in every message
+    would be a noticeable share of the bytes (a dense lane round's messages carry it in full)."""
+    import hashlib
+    text = repr([desc.get(f) for f in AGREED] + [count])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def seed_for(cluster_seed: int, job: str, seq: int, name: str) -> int:
     h = hashlib.blake2b(f"{cluster_seed}/{job}/{seq}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
@@ -276,7 +291,24 @@ class RoundRunner:
         before_s, before_r = transport.bytes_sent, transport.bytes_received
         mean = d["op"] == "mean" and rnd.kind == "allreduce"
         divided = False
-        if lane:
+        if lane and codec_name != "none":
+            # A compressed lane round (RingWorker._lane_eligible): every node has local_size
+            # processes (a cluster-wide setting, checked in the handshake), so the counts an
+            # agreement would bring are this node's count everywhere; the data carries the
+            # description and the count, and the ring checks them as it checks a dense lane round's.
+            counts = [len(parts)] * world
+            total = st["count"] = sum(counts)
+            dst = parts[0].array.reshape(-1) if (len(parts) == 1 and dtype == np.float32) else None
+            lane_tag = {"key": rnd.key, "name": d.get("name"), "desc": description_digest(d, len(parts))}
+            try:
+                out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts,
+                                      dst, lane_tag=lane_tag)
+            except RoundMismatchError as exc:
+                raise RoundMismatchError(
+                    f"{exc} (a round started without an agreement: the nodes' descriptions of tensor "
+                    f"{d.get('name')!r}, i.e. shape, dtype, op, codec and its parameters, and process "
+                    "count, differ; every process of the job must make the same call)") from None
+        elif lane:
             learned: dict[str, Any] = {}
             out = ring_allreduce(transport, x, timeout=self.settings.round_wait_timeout,
                                  chunk_bytes=self.settings.chunk_bytes, inplace=True,
@@ -316,7 +348,13 @@ class RoundRunner:
         st["t_end"] = time.monotonic()
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
-                   counts: list[int], dst: np.ndarray | None = None) -> np.ndarray:
+                   counts: list[int], dst: np.ndarray | None = None,
+                   lane_tag: dict[str, Any] | None = None) -> np.ndarray:
+        """A compressed round. ``lane_tag``: a lane round's description, carried by every message
+        and checked on arrival (no agreement came before it); its waits for data are waits for the
+        other nodes' processes too (round_timeout). A lane round given up leaves the codec state as
+        it was (nothing is committed before the round completes, StateTxn), so it runs again once
+        agreed exactly as if it had never started."""
         d = rnd.desc
         params = {k: v for k, v in d["codec"].items() if k != "codec"}
         codec = get_codec(d["codec"]["codec"], **params)
@@ -329,13 +367,16 @@ class RoundRunner:
                            local_count=counts[rank], total_count=sum(counts), tensor_round=tensor_round,
                            counts=tuple(counts))
         timeout = self.settings.peer_timeout
+        if lane_tag is not None:
+            timeout += self.settings.round_timeout
+        extra = dict(lane_tag or {})
         tc = time.perf_counter()
         n = x.size
         if codec.pattern == Pattern.SUMMABLE:
             payload = codec.compress(x, ctx, state)
             comp = time.perf_counter() - tc
             values = np.ascontiguousarray(payload.values, dtype=np.float32)
-            tag = {"key": rnd.key, "len": int(values.size), "digest": payload.header.get("digest")}
+            tag = {**extra, "key": rnd.key, "len": int(values.size), "digest": payload.header.get("digest")}
             summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
                                     wire_dtype=codec.wire_dtype, tag=tag)
             tc = time.perf_counter()
@@ -345,7 +386,7 @@ class RoundRunner:
             payload = codec.compress(x, ctx, state)
             comp = time.perf_counter() - tc
             header, bufs = pack_buffers(payload)
-            got = ring_allgather(transport, header, bufs, timeout=timeout, tag={"key": rnd.key})
+            got = ring_allgather(transport, header, bufs, timeout=timeout, tag={**extra, "key": rnd.key})
             tc = time.perf_counter()
             if dst is not None:
                 out = dst
@@ -362,7 +403,7 @@ class RoundRunner:
             from birdnet.ring.merge import merged_allreduce
             comp = 0.0
             # merged_allreduce runs the codec's after_round / after_flush itself
-            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout, out=dst)
+            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout, out=dst, tag=lane_tag)
         else:  # pragma: no cover - a codec declaring something else is a programming error
             raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
         if codec.pattern != Pattern.MERGED:
@@ -590,9 +631,21 @@ class RingWorker(threading.Thread):
 
     @staticmethod
     def _lane_eligible(rnd: LocalRound) -> bool:
+        """A dense all-reduce, or a compressed one whose description the data can carry and whose
+        ring writes the result only once every node's part has come (the codec patterns below; a
+        codec with flush rounds is not: a flush round is run differently on the rounds it falls on)."""
         codec = rnd.desc.get("codec")
-        return (rnd.kind == "allreduce" and rnd.error is None and bool(rnd.parts)
-                and isinstance(codec, dict) and codec.get("codec") == "none")
+        if not (rnd.kind == "allreduce" and rnd.error is None and bool(rnd.parts) and isinstance(codec, dict)):
+            return False
+        if codec.get("codec") == "none":
+            return True
+        try:
+            c = get_codec(codec["codec"], **{k: v for k, v in codec.items() if k != "codec"})
+        except BirdnetError:
+            return False
+        if c.pattern == Pattern.MERGED:
+            return not c.params.get("flush")
+        return c.pattern in (Pattern.SUMMABLE, Pattern.GATHERED)
 
     def _grant(self, verdicts: list[Verdict]) -> list[Any] | None:
         """The lane the leader's ``go`` opens: the next round of the job of an agreed batch."""

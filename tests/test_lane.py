@@ -92,8 +92,9 @@ def test_the_lane_closes_for_other_rounds_and_opens_again(tmp_path):
         res = cl.run(workers.lane_rounds, plan, 5000)
     check_results(res, plan, 3, 5000)
     for _out, st in res:
-        # agreed: calls 0, 2 (barrier), 4 (marsit); each opens the lane for the next call
-        assert (st["lane_rounds"], st["round_agreements"]) == (4, 3), st
+        # agreed: calls 0 and 2 (barrier); each opens the lane for the next call, and marsit runs
+        # in the lane like a dense round (test_compressed_rounds_run_in_the_lane_...)
+        assert (st["lane_rounds"], st["round_agreements"]) == (5, 2), st
 
 
 @pytest.mark.timeout(180)
@@ -251,3 +252,106 @@ def test_a_job_that_ends_with_the_lane_open_and_runs_again_is_not_hit_by_it(tmp_
             check_results(res, plan, 3, 2000)
             for _out, st in res:
                 assert st["rounds_failed"] == 0
+
+
+def _compressed_results(tmp_path, plan, n, extra=(), bad_codec=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(3, tmp_path, extra=list(extra)) as cl:
+        return cl.run(workers.lane_rounds, plan, n, "C", None, None, bad_codec)
+
+
+@pytest.mark.timeout(240)
+def test_compressed_rounds_run_in_the_lane_with_the_agreed_results(tmp_path):
+    """Compressed all-reduces start without an agreement too, and give the same bits as agreed
+    rounds (a cluster with --no-dense-lane, the same seeds): the codec's state, seed and counts are
+    what the agreement would have given. A codec with flush rounds is agreed."""
+    plan = ["dense", "birdplus", "birdplus", "marsit", "marsit", "birdplus_shared", "birdplus_shared",
+            "marsit_flush", "birdplus", "marsit"]
+    lane = _compressed_results(tmp_path / "lane", plan, 20_000)
+    agreed = _compressed_results(tmp_path / "agreed", plan, 20_000, extra=["--no-dense-lane"])
+    check_results(lane, plan, 3, 20_000)
+    for (out_l, st_l), (out_a, st_a) in zip(lane, agreed):
+        for i, (a, b) in enumerate(zip(out_l, out_a)):
+            assert a[0] == b[0] == "ok", (i, a, b)
+            assert np.array_equal(a[1], b[1]), f"call {i} ({plan[i]}) differs between lane and agreement"
+        # agreed: call 0 and the marsit with flushes (7); the others in the lane
+        assert (st_l["lane_rounds"], st_l["round_agreements"], st_l["rounds_failed"]) == (8, 2, 0), st_l
+        assert st_a["lane_rounds"] == 0 and st_a["round_agreements"] == len(plan)
+
+
+@pytest.mark.timeout(180)
+def test_a_compressed_mismatch_in_the_lane_fails_on_every_node(tmp_path):
+    plan = ["dense", "birdplus", "marsit", "marsit"]
+    res = _compressed_results(tmp_path, plan, 5000, bad_codec=(2, 1))
+    check_results(res, plan, 3, 5000, skip={1})
+    for out, st in res:
+        kind, msg = out[1]
+        assert kind == "RoundMismatchError", out[1]
+        assert "C-birdplus" in msg and "codec and its parameters" in msg, msg
+        assert st["rounds_failed"] == 1
+
+
+@pytest.mark.parametrize("codec,params", [("birdplus", {"density": 0.05}),
+                                          ("birdplus", {"density": 0.05, "mode": "shared"}), ("marsit", {})])
+def test_a_compressed_lane_round_given_up_runs_again_as_if_it_never_started(codec, params):
+    """A lane round given up after compressing (the leader closed the lane while the others
+    waited for its data) runs again once agreed; its first attempt must have left the codec state
+    as it was (error feedback fed the input twice otherwise). Two rounds given up once each give
+    the same bits and leave the same codec state as two rounds that never were (RoundRunner over an
+    in-memory ring; the daemon's part, LaneGivenUp from the transport, is mimicked by a transport
+    that raises it at its first receive, after the first sends have gone out)."""
+    from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
+    from birdnet.daemon.peers import LaneGivenUp
+
+    from birdnet.codecs import get_codec
+    from birdnet.config import Settings
+
+    world, n = 3, 6000
+    xs = [[np.random.default_rng([k, r]).standard_normal(n).astype(np.float32) for r in range(world)]
+          for k in range(2)]
+
+    def rnd(k, r):
+        desc = {"kind": "allreduce", "name": "t", "shape": [n], "dtype": "float32", "op": "mean",
+                "codec": get_codec(codec, **params).describe(), "root": None}
+        return LocalRound(job="j", seq=k + 1, kind="allreduce", desc=desc,
+                          parts=[Contribution(b"s", 0, xs[k][r].copy(), 0, r)])
+
+    class GivesUp:
+        def __init__(self, t):
+            self.t, self.rank, self.world = t, t.rank, t.world
+            self.bytes_sent = self.bytes_received = 0
+
+        def send(self, header, buffers=()):
+            self.t.send(header, buffers)
+
+        def recv(self, deadline):
+            raise LaneGivenUp("the leader closed the lane")
+
+    def run(give_up):
+        runners = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+        outs = [[None, None] for _ in range(world)]
+        for k in range(2):
+            rounds = [rnd(k, r) for r in range(world)]
+            if give_up:
+                def attempt(t, rounds=rounds):
+                    with pytest.raises(LaneGivenUp):
+                        runners[t.rank].run(rounds[t.rank], GivesUp(t), t.rank, world, None)
+                MemoryRing(world).run(attempt)
+                for r in rounds:
+                    r.stats.clear()
+
+            def agreed(t, rounds=rounds, k=k):
+                runners[t.rank].run(rounds[t.rank], t, t.rank, world, [1] * world)
+                outs[t.rank][k] = rounds[t.rank].parts[0].array.copy()
+            MemoryRing(world).run(agreed)
+        return outs, runners
+
+    plain, plain_runners = run(False)
+    again, again_runners = run(True)
+    for r in range(world):
+        for k in range(2):
+            assert again[r][k].tobytes() == plain[r][k].tobytes() == plain[0][k].tobytes(), (r, k)
+        a, b = (x.states.states[("j", "t")].state for x in (plain_runners[r], again_runners[r]))
+        for key in a:
+            if isinstance(a[key], np.ndarray):
+                assert a[key].tobytes() == b[key].tobytes(), key

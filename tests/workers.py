@@ -105,11 +105,18 @@ def batch_of_async_rounds(sock, node, local, count, bad_index):
         return out, c.status()
 
 
-def lane_rounds(sock, node, local, plan, n=1000, job="default", delay_before=None, bad=None):
+#: lane_rounds' compressed plan entries: codec and parameters
+LANE_CODECS = {"marsit": ("marsit", {}), "marsit_flush": ("marsit", {"flush": 2}),
+               "birdplus": ("birdplus", {"density": 0.01}),
+               "birdplus_shared": ("birdplus", {"density": 0.01, "mode": "shared"})}
+
+
+def lane_rounds(sock, node, local, plan, n=1000, job="default", delay_before=None, bad=None, bad_codec=None):
     """Calls one after another, as a training loop makes them: ``plan`` is a list of "dense",
-    "barrier" or "marsit"; each all-reduce is the mean of seeded random data (the same seeds on every
-    node, so the caller can recompute it). ``delay_before`` = (node, call index, seconds): that node
-    sleeps before that call. ``bad`` = (node, call index): that node submits another shape there.
+    "barrier" or a compressed entry of LANE_CODECS; each all-reduce is the mean of seeded random
+    data (the same seeds on every node, so the caller can recompute it). ``delay_before`` = (node,
+    call index, seconds): that node sleeps before that call. ``bad`` = (node, call index): that node
+    submits another shape there; ``bad_codec`` likewise another density.
     Returns [(kind, result or (error class, message))], and the daemon's status."""
     import time
     with Client(sock, job=job) as c:
@@ -124,8 +131,11 @@ def lane_rounds(sock, node, local, plan, n=1000, job="default", delay_before=Non
                     continue
                 size = n - 1 if bad is not None and bad == (node, i) else n
                 x = np.random.default_rng([i, c.rank]).standard_normal(size).astype(np.float32)
-                codec = "marsit" if what == "marsit" else None
-                out.append(("ok", c.allreduce(x, name=f"{job}-w", codec=codec, timeout=60)))
+                codec, params = LANE_CODECS.get(what, (None, {}))
+                if bad_codec is not None and bad_codec == (node, i):
+                    params = {**params, "density": 0.02}
+                name = f"{job}-w" if codec is None else f"{job}-{what}"  # its own codec state
+                out.append(("ok", c.allreduce(x, name=name, codec=codec, timeout=60, **params)))
             except Exception as exc:  # noqa: BLE001 - the test looks at the class and message
                 out.append((type(exc).__name__, str(exc)))
         return out, c.status()

@@ -95,14 +95,17 @@ def _check_meta(meta: Any, where: str) -> dict[str, float]:
 
 
 def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: RoundContext, state: Any, *,
-                     timeout: float, out: np.ndarray | None = None) -> np.ndarray:
+                     timeout: float, out: np.ndarray | None = None,
+                     tag: dict[str, Any] | None = None) -> np.ndarray:
     """All-reduce ``x`` (this node's contribution: float32, the sum of its local processes'
     gradients) with a MERGED codec; returns the dense float32 sum, bit-identical on every node.
 
     ``timeout`` is the longest wait for any one message from the left neighbour. ``state`` is the
     codec's per-(job, tensor) state (compensation, momentum), updated in place (this function calls
     the codec's ``after_round`` / ``after_flush`` itself). ``out`` (float32, n) receives the result
-    when given (it may be ``x``'s memory: ``x`` is not read after compression).
+    when given (it may be ``x``'s memory: ``x`` is not read after compression). ``tag``:
+    fields every node must agree on, carried by every message and compared on arrival (a round
+    that started without an agreement); a difference fails the round on every node.
     """
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype != np.float32:
         raise InputError(f"tensor {ctx.name!r}: merged all-reduce takes a 1-D float32 vector, got "
@@ -164,6 +167,13 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
                 error = (f"{where}: nodes disagree: rank {left} has codec {header.get('codec')!r} "
                          f"n={header.get('n')!r}, rank {r} has codec {codec.name!r} n={n}")
             return header, None
+        if tag is not None and header.get("tag") != tag:
+            if error is None:
+                theirs = header.get("tag") if isinstance(header.get("tag"), dict) else {}
+                diffs = [f"{k}: rank {left} has {theirs.get(k)!r}, rank {r} has {tag.get(k)!r}"
+                         for k in sorted(set(tag) | set(theirs), key=str) if theirs.get(k) != tag.get(k)]
+                error = f"{where}: nodes disagree on the round: " + "; ".join(diffs)
+            return header, None
         want = bb[seg + 1] - bb[seg]
         if len(bufs) != 1 or bufs[0].nbytes != want:
             raise ProtocolError(f"{where}: segment {seg} must be one buffer of {want} bytes, got "
@@ -173,6 +183,8 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
 
     def send(h: dict[str, Any], buf: Any) -> None:
         h.update({"t": "data", "codec": codec.name, "n": n})
+        if tag is not None:
+            h["tag"] = tag
         if error:
             h["err"] = error
         transport.send(h, [buf])
