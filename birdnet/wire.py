@@ -53,6 +53,7 @@ HEADER_KEYS: dict[str, tuple[str, str, str]] = {
     "nbuf": ("all", "", "number of buffer frames after the header"),
     "sizes": ("all", "", "byte length of each buffer frame"),
     "q": ("all peer messages", "count", "number on this connection, one more than the last (a jump: messages lost)"),
+    "qr": ("all peer messages", "", "1: numbering restarts at this q (the sender dropped what it had queued for a peer that answered nothing)"),
     "k": ("start go abort lane data", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
     "proto": ("ping", "", "PROTOCOL_VERSION of the sender"),
     "cw": ("ping", "", "the sender's cluster-wide settings (Settings.cluster_wide)"),

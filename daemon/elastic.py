@@ -199,7 +199,7 @@ class ElasticPeerNet(PeerNet):
         """Queue a message for rank ``to`` (default: the hosts-file right neighbour)."""
         to = self.right.rank if to is None else to
         q = self.sent_q_to.get(to, 0) + 1
-        frames = wire.encode(header, buffers, q=q)
+        frames = wire.encode(header, buffers, **self._numbering(to, q))
         try:
             nbytes = frames_nbytes(frames)
             tracker = send_frames(self.dealers[to], frames, track, nbytes)
@@ -207,6 +207,7 @@ class ElasticPeerNet(PeerNet):
             raise PeerLostError(f"cannot send to rank {to} ({self.peers[to].address}): not connected"
                                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
         self.sent_q_to[to] = q  # only what ZeroMQ took counts (PeerNet.send)
+        self._renumber.discard(to)
         self.bytes_sent += nbytes
         return tracker
 

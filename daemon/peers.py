@@ -124,6 +124,8 @@ def lost_between(last: int | None, header: dict[str, Any]) -> tuple[int, int | N
     q = header.get("q")
     if not isinstance(q, int) or isinstance(q, bool):
         return 0, last
+    if header.get("qr"):
+        return 0, q  # the sender dropped its queue on purpose (PeerNet._count_ping): numbering restarts
     return (q - last - 1 if last is not None and q > last + 1 else 0), q
 
 
@@ -225,6 +227,8 @@ class PeerNet:
         #: rank -> pings sent since its last pong or refusal, and the most kept queued (_count_ping)
         self._unanswered: dict[int, int] = {}
         self.max_unanswered = int(settings.peer_timeout / settings.heartbeat_interval) + 2
+        #: ranks whose queue _count_ping dropped: the next message to each carries ``qr`` (lost_between)
+        self._renumber: set[int] = set()
         #: Every message to the right neighbour carries ``q``, one more than the last (pings too).
         #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
         #: breaks (a NAT box, a flapping link, ``ss -K``): then what was in flight on it is gone, and
@@ -406,7 +410,7 @@ class PeerNet:
         """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
         the returned MessageTracker tells when ZeroMQ no longer needs them."""
         q = self.sent_q + 1
-        frames = wire.encode(header, buffers, q=q)
+        frames = wire.encode(header, buffers, **self._numbering(self.right.rank, q))
         try:
             # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
             # send would stall this thread for good; ZeroMQ queues while a connection exists.
@@ -417,6 +421,7 @@ class PeerNet:
                 f"cannot send to right neighbour rank {self.right.rank} ({self.right.address}): not connected"
                 + (f" [{self.refused_by_right}]" if self.refused_by_right else "")) from None
         self.sent_q = q  # only a message ZeroMQ took counts: the receiver expects no gap otherwise
+        self._renumber.discard(self.right.rank)
         self.bytes_sent += nbytes
         return tracker
 
@@ -443,8 +448,16 @@ class PeerNet:
             except zmq.ZMQError:
                 pass
             sock.connect(endpoint)
+            # what the queue held had numbers the peer will never see: without saying so, the peer's
+            # first round after it comes back would fail on a gap of dropped pings
+            self._renumber.add(rank)
             n = 1
         self._unanswered[rank] = n
+
+    def _numbering(self, rank: int, q: int) -> dict[str, int]:
+        """The numbering fields of the next message to ``rank``: its number, and ``qr`` when the
+        queue before it was dropped (_count_ping)."""
+        return {"q": q, "qr": 1} if rank in self._renumber else {"q": q}
 
     def _answered(self, rank: int) -> None:
         self._unanswered[rank] = 0
