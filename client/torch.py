@@ -73,7 +73,11 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
     feedback or Marsit's compensation) and the adapter updates
     ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)`` with ``m = (1 - beta1) * result + carry``.
-    Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam.
+    Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
+    selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
+    the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
+    denominator is frozen): they then keep the coordinates with the largest steps, not the
+    largest raw gradients.
 
 Momentum accumulated before the switch (warm-up, or a restored checkpoint) is not lost: it is the
 *carry*, decaying by the momentum factor each step and added to the codec's result, since the
@@ -129,6 +133,11 @@ ADAM_WARMUP_STEPS = 32
 
 #: codecs with a ``momentum`` parameter (momentum correction kept in the daemon)
 MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", "efsign", "bird", "birdplus"})
+#: codecs that compress Adam's gradient in preconditioned units (divided by the frozen denominator):
+#: the selecting codecs, which then keep the coordinates with the largest *steps*. The sign codecs
+#: do not: on the transformer benchmark marsit reached 2.028 nats/byte preconditioned against 1.957
+#: not (dense 1.899), birdplus 2.080 against 2.129 (200 steps, seed 0, docs/adapters.md)
+_PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
 #: codecs that change gradients too little to need a recipe
 _PLAIN_CODECS = frozenset({"none", "fp16"})
 #: a carry below this weight (momentum ** steps since the switch) is dropped
@@ -183,6 +192,7 @@ class _Bucket:
         self.flat: torch.Tensor | None = None
         self.views: dict[int, torch.Tensor] = {}  # id(param) -> view shaped like the param
         self.ready: set[int] = set()
+        self.scaled: set[int] = set()  # params sent divided by Adam's frozen denominator this step
         self.handle: Handle | None = None
         self.events: list[Any] = []  # CUDA events of device-to-host copies still running
         self.name = ""
@@ -402,8 +412,35 @@ class _DistributedOptimizer:
             ev = torch.cuda.Event()
             ev.record()
             b.events.append(ev)
-        elif g.data_ptr() != view.data_ptr():
+            return
+        if g.data_ptr() != view.data_ptr():
             view.copy_(g)
+        denom = self._send_scale(b, p)
+        if denom is not None:
+            view.div_(denom)
+            b.scaled.add(id(p))
+
+    def _send_scale(self, b: _Bucket, p: torch.Tensor) -> torch.Tensor | None:
+        """Adam's frozen denominator when this parameter's gradient is to be compressed in
+        preconditioned units (module docstring), else None."""
+        recipe = self._bn_recipe.get(b.group)
+        if recipe is None or recipe[0] != "adam" or p.device.type != "cpu":
+            return None  # CUDA: not preconditioned (the bucket is on the host); untested here
+        g = self.param_groups[b.group]
+        if (g.get("birdnet_codec") not in _PRECONDITIONED_CODECS or self._warming_up(g)
+                or "exp_avg_sq" not in self.state.get(p, {})):
+            return None
+        return self._denominator(g, p)
+
+    def _denominator(self, g: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """sqrt(v / bc2) + eps with v (and bc2) as they were when compression started."""
+        denom = self._bn_denom.get(id(p))
+        if denom is None:
+            st = self.state[p]
+            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
+            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
+            denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
+        return denom
 
     def _submit_ready(self) -> None:
         while self._bn_next < len(self._bn_buckets):
@@ -463,6 +500,8 @@ class _DistributedOptimizer:
                     coded = h.stats.get("codec") not in (None, "none")
                     for _n, p, _o, _k in b.entries:
                         self._unstage(b, p)
+                        if id(p) in b.scaled and p.grad is not None:
+                            p.grad.mul_(self._bn_denom[id(p)])  # back to gradient units
                         if recipe is not None and p.grad is not None:
                             self._apply_recipe(p, recipe, coded)
                 self.last_stats = stats
@@ -482,6 +521,7 @@ class _DistributedOptimizer:
                     pass
                 b.handle = None
             b.ready.clear()
+            b.scaled.clear()
             b.events.clear()
         self._bn_counts.clear()
         self._bn_next = 0
@@ -598,12 +638,7 @@ class _DistributedOptimizer:
 
     @torch.no_grad()
     def _frozen_adam_update(self, g: dict[str, Any], p: torch.Tensor) -> None:
-        st = self.state[p]
-        denom = self._bn_denom.get(id(p))
-        if denom is None:
-            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
-            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
-            denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
+        denom = self._denominator(g, p)
         d = -p.grad if g.get("maximize") else p.grad
         lr, wd = float(g["lr"]), float(g["weight_decay"])
         if wd:

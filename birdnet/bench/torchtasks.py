@@ -213,7 +213,9 @@ def params_digest(model) -> str:
 
 def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One training process on a daemon. ``cfg``: task, seed, steps, lr, codec, params, job,
-    eval_every, and optionally adapter (extra DistributedOptimizer keywords) and batch_per_rank.
+    eval_every, and optionally adapter (extra DistributedOptimizer keywords), batch_per_rank and
+    restore_at (a step before which the optimizer goes through ``state_dict()`` into a fresh
+    DistributedOptimizer, as a restart from a checkpoint would).
     Returns the history (step, train loss, the task's metrics, bytes sent so far), bytes sent
     during and after the uncompressed warm-up, and a digest of the final parameters."""
     import torch
@@ -229,15 +231,24 @@ def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
     with Client(sock, job=cfg.get("job", f"train-{task.name}")) as client:
         torch.manual_seed(cfg["seed"])
         model = task.model()
-        opt = task.optimizer(model.parameters(), lr)
-        opt = bnt.DistributedOptimizer(opt, named_parameters=model.named_parameters(), client=client,
-                                       codec=cfg.get("codec"), codec_params=cfg.get("params") or None,
-                                       timeout=600, **dict(cfg.get("adapter") or {}))
+
+        def wrapped():
+            return bnt.DistributedOptimizer(task.optimizer(model.parameters(), lr),
+                                            named_parameters=model.named_parameters(), client=client,
+                                            codec=cfg.get("codec"), codec_params=cfg.get("params") or None,
+                                            timeout=600, **dict(cfg.get("adapter") or {}))
+
+        opt = wrapped()
         bnt.broadcast_parameters(model.state_dict(), root_rank=0, client=client)
         history: list[dict[str, Any]] = []
         sent = warm_sent = 0
         loss_sum, loss_n = 0.0, 0
         for step in range(steps):
+            if step == cfg.get("restore_at"):
+                saved = opt.state_dict()
+                opt.remove_hooks()
+                opt = wrapped()
+                opt.load_state_dict(saved)
             x, y = task.batch(client.rank, client.size, step)
             opt.zero_grad()
             loss = task.loss(model, x, y)

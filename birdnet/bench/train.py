@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="--task cnn/lm (default: the task's, 300 / 400)")
     p.add_argument("--eval-every", type=int, default=None, help="--task cnn/lm: steps between evaluations")
     p.add_argument("--adapter", default="{}", help="--task cnn/lm: JSON of extra DistributedOptimizer keywords")
+    p.add_argument("--restore-at", type=int, default=None, metavar="STEP",
+                   help="--task cnn/lm: before STEP, restore the optimizer from its state_dict() into a fresh one")
     p.add_argument("--lr", type=float, default=None, help="default: 0.05 (mlp), the task's (cnn 0.05, lm 2e-3)")
     p.add_argument("--momentum", type=float, default=0.9, help="--task mlp: momentum for codecs without their own")
     p.add_argument("--batch", type=int, default=None, help="per worker (default: mlp 32, cnn 32, lm 16)")
@@ -145,7 +147,7 @@ def _torch_main(a, argv) -> int:
                         print(f"[{k}/{total}] {label(name, params)} seed {seed} ...", end="", file=sys.stderr, flush=True)
                         cfg = {"task": a.task, "seed": seed, "steps": steps, "lr": lr, "batch_per_rank": a.batch,
                                "codec": None if name == "none" else name, "params": params, "adapter": adapter,
-                               "eval_every": a.eval_every, "job": f"train-{k}"}
+                               "eval_every": a.eval_every, "restore_at": a.restore_at, "job": f"train-{k}"}
                         t0 = time.monotonic()
                         res = cl.run(train_worker, cfg, timeout=7200)
                         same = len({r["params_digest"] for r in res}) == 1
@@ -160,7 +162,7 @@ def _torch_main(a, argv) -> int:
             print("\ninterrupted", file=sys.stderr)
             return 130
     meta = {"task": a.task, "nodes": a.nodes, "steps": steps, "lr": lr, "batch": task.batch_per_rank,
-            "adapter": adapter, "seeds": seeds, "metric": task.metric,
+            "adapter": adapter, "restore_at": a.restore_at, "seeds": seeds, "metric": task.metric,
             "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
             "command": "birdnet bench train " + " ".join(argv if argv is not None else sys.argv[1:]),
             "wall_seconds": time.monotonic() - t_all}
