@@ -187,7 +187,7 @@ def test_automatic_mode_refuses_or_warns_clearly(one_node):
 
 
 # -- real daemons -------------------------------------------------------------------------------
-STEPS, WARM, SAVE = 8, 3, 5
+STEPS, WARM, SAVE = 6, 2, 4
 
 
 def digest(model) -> str:
