@@ -6,7 +6,7 @@ destroy the daemon's segments. birdnet therefore maps /dev/shm files directly: t
 and unlinks (mode 0660, so a configured group can attach and nobody else can), the client only
 attaches. Names carry a per-daemon prefix so a restarted daemon can find and remove what an
 earlier, killed instance left behind. Where the kernel has sealed memfds, segments for clients of
-the daemon's own user are memfds instead, which no client can truncate (:meth:`Segment.sealed`).
+the daemon are memfds instead, which no client can truncate (:meth:`Segment.sealed`).
 """
 from __future__ import annotations
 
@@ -43,9 +43,10 @@ class Segment:
     F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL; it has no name anyone could unlink and no size
     anyone could change; a client opens it as ``path`` (``/proc/<daemon pid>/fd/<n>``, which the
     kernel lets only processes that may ptrace-read the daemon open: its own user and root) while
-    the daemon holds the descriptor (:meth:`release_fd` closes it once the client has it mapped).
-    Named (``Segment(name, ...)``): a file under /dev/shm, for clients of another user (--shm-group);
-    such a file can be truncated by whoever may write it."""
+    the daemon holds the descriptor (:meth:`release_fd` closes it once the client has it mapped),
+    or a process of another user receives it over the daemon's side socket (SCM_RIGHTS).
+    Named (``Segment(name, ...)``): a file under /dev/shm, only where sealing is unavailable; such
+    a file can be truncated by whoever may write it."""
 
     fd: int | None = None  #: the memfd, until release_fd (sealed segments only)
 

@@ -60,12 +60,14 @@ def _default_socket() -> str:
 class _Slot:
     """A shared-memory segment created by the daemon for this client, mapped here."""
 
-    def __init__(self, slot: int, name: str, nbytes: int, path: str | None = None, inode: int | None = None) -> None:
+    def __init__(self, slot: int, name: str, nbytes: int, path: str | None = None, inode: int | None = None,
+                 fdsock: str | None = None, token: str | None = None) -> None:
         self.slot, self.name, self.nbytes = slot, name, nbytes
-        #: a sealed memfd of the daemon (``/proc/<pid>/fd/<n>``), else the named file under /dev/shm
-        self.path = path or os.path.join("/dev/shm", name)
+        #: a sealed memfd of the daemon (``/proc/<pid>/fd/<n>``, or fetched through ``fdsock`` by a
+        #: process of another user), else the named file under /dev/shm
+        self.path = path or fdsock or os.path.join("/dev/shm", name)
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = _fetch_memfd(fdsock, token) if fdsock and token else os.open(self.path, os.O_RDWR)
         except OSError as exc:
             raise DaemonUnavailableError(f"cannot open the shared memory birdnetd made for this process "
                                          f"({self.path}): {exc}; a process in another pid namespace or of "
@@ -97,6 +99,19 @@ class _Slot:
             self.mmap.close()
         except BufferError:
             pass  # arrays still reference it; the mapping goes with them
+
+
+def _fetch_memfd(path: str, token: str, timeout: float = 5.0) -> int:
+    """The sealed segment the daemon made for this process, passed over its side socket."""
+    import socket
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.send(token.encode())
+        _msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1)
+    if not fds:
+        raise OSError(f"the daemon sent no descriptor through {path}")
+    return fds[0]
 
 
 class Handle:
@@ -450,7 +465,8 @@ class Client:
         if slot_id in self._slots:
             self._slots[slot_id].close()
         reply = self._request({"t": "alloc", "slot": slot_id, "nbytes": int(nbytes)})
-        s = _Slot(slot_id, reply["name"], reply["nbytes"], reply.get("path"), reply.get("inode"))
+        s = _Slot(slot_id, reply["name"], reply["nbytes"], reply.get("path"), reply.get("inode"),
+                  reply.get("fdsock"), reply.get("token"))
         self._slots[slot_id] = s
         s.busy = True
         return s

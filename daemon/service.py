@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import signal
 import socket
 import struct
@@ -281,6 +282,7 @@ class Daemon:
                          "directory this user may write")
         finally:
             os.umask(old)
+        self._open_fd_socket()
         # Every connection as the kernel sees it (accepted / gone, by descriptor): a process's
         # sessions end when its last connection closes (a FIFO pair each, held for ever before),
         # a connection that says no hello within HELLO_TIMEOUT is dropped, and beyond
@@ -351,6 +353,8 @@ class Daemon:
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
         poller.register(self.conn_monitor, zmq.POLLIN)
+        if self.fd_listener is not None:
+            poller.register(self.fd_listener.fileno(), zmq.POLLIN)
         watchdog = notify.watchdog_interval()
         last_watchdog = last_reap = 0.0
         last_status = ""
@@ -374,6 +378,8 @@ class Daemon:
                         self.handle_client(frames)
                 if self.conn_monitor in events:
                     self.handle_connections()
+                if self.fd_listener is not None:
+                    self.handle_fd_requests(events)
                 for fd in [e for e in events if isinstance(e, int) and e in self.bells]:
                     self.handle_bell(self.bells[fd])
                 if self.wake_rx in events:
@@ -462,6 +468,7 @@ class Daemon:
             # alloc may be read after it.)
             s.unmapped.release_fd()
             s.unmapped = None
+            self._forget_tokens(identity)
         creds = peer_credentials(frames[1]) if header.get("t") == "hello" else None
         self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds)
 
@@ -604,17 +611,27 @@ class Daemon:
         if old is not None:
             old.unlink()
             old.close()
+        token = None
         if self.sealed and s.uid is not None and s.uid in (os.getuid(), 0):
             # a memfd the process cannot shrink, grow or unlink (birdnet.shm.Segment.sealed); it
             # opens it through /proc, which the kernel allows its own user and root
             seg = Segment.sealed(nbytes)
             s.unmapped = seg
-        else:  # a process of another user (--shm-group), or no peer credentials: a named file
+        elif self.sealed and s.uid is not None and self.fd_listener is not None:
+            # a process of another user (--shm-group): /proc/<our pid>/fd is closed to it, so it
+            # fetches the memfd through the side socket (SCM_RIGHTS), with a one-time token
+            seg = Segment.sealed(nbytes)
+            s.unmapped = seg
+            token = secrets.token_hex(16)
+            self.fd_tokens[token] = (identity, seg)
+        else:  # no sealing, no peer credentials: a named file
             seg = Segment(new_name(self.shm_prefix), nbytes, create=True,
                           mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
         s.segments[slot] = seg
         reply = {"t": "shm", "call": h.get("call"), "slot": slot, "name": seg.name, "nbytes": nbytes}
-        if seg.fd is not None:
+        if token is not None:
+            reply["fdsock"], reply["token"], reply["inode"] = self.fd_socket_path, token, seg.inode
+        elif seg.fd is not None:
             reply["path"], reply["inode"] = seg.path, seg.inode
         self.reply(identity, reply)
 
@@ -845,6 +862,96 @@ class Daemon:
         self.end_session(identity, "bye")
         self.reply(identity, {"t": "bye", "call": h.get("call")})
 
+    # -- the memfd side socket ----------------------------------------------------------------------
+    def _open_fd_socket(self) -> None:
+        """A Unix seqpacket socket beside the client socket (same mode and group) through which a
+        process of another user fetches its sealed segments (SCM_RIGHTS; the client socket is
+        ZeroMQ and cannot pass descriptors). Without it such processes get named files."""
+        self.fd_listener: socket.socket | None = None
+        self.fd_tokens: dict[str, tuple[bytes, Segment]] = {}  #: one-time token -> (session, segment)
+        self.fd_pending: dict[int, tuple[socket.socket, float]] = {}  #: accepted, token not read yet
+        self.fd_socket_path = self.socket_path + ".shm"
+        if not self.sealed or len(os.fsencode(self.fd_socket_path)) > MAX_SOCKET_PATH:
+            return
+        try:
+            if os.path.exists(self.fd_socket_path):
+                os.unlink(self.fd_socket_path)
+            lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            old = os.umask(0o117 if self.gid is not None else 0o177)
+            try:
+                lst.bind(self.fd_socket_path)
+            finally:
+                os.umask(old)
+            if self.gid is not None:
+                os.chown(self.fd_socket_path, -1, self.gid)
+            lst.listen(64)
+            lst.setblocking(False)
+            self.fd_listener = lst
+        except OSError as exc:
+            log.warning("no memfd side socket at %s (%s): processes of other users get named segments",
+                        self.fd_socket_path, exc)
+
+    def handle_fd_requests(self, events: dict) -> None:
+        lst = self.fd_listener
+        if lst.fileno() in events:
+            for _ in range(64):
+                try:
+                    conn, _addr = lst.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    break
+                if len(self.fd_pending) >= 256:  # a flood: the oldest waiting one goes
+                    self._close_fd_conn(next(iter(self.fd_pending)))
+                conn.setblocking(False)
+                self.fd_pending[conn.fileno()] = (conn, time.monotonic() + 2.0)
+                self.poller.register(conn.fileno(), zmq.POLLIN)
+        now = time.monotonic()
+        for fd in list(self.fd_pending):
+            conn, deadline = self.fd_pending[fd]
+            if fd in events:
+                try:
+                    token = conn.recv(64).decode("ascii", "replace")
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    token = ""
+                self._send_memfd(conn, token)
+                self._close_fd_conn(fd)
+            elif now > deadline:
+                self._close_fd_conn(fd)
+
+    def _send_memfd(self, conn: socket.socket, token: str) -> None:
+        entry = self.fd_tokens.pop(token, None)
+        if entry is None:
+            return
+        identity, seg = entry
+        s = self.sessions.get(identity)
+        pid = _peer_pid(conn.fileno())
+        if s is None or seg.fd is None or pid != s.pid:  # only to the session's own process
+            log.info("memfd request refused: token of pid %s presented by pid %s", s.pid if s else None, pid)
+            return
+        try:
+            socket.send_fds(conn, [b"ok"], [seg.fd])
+        except OSError as exc:
+            log.info("memfd for pid %d not sent: %s", s.pid, exc)
+            return
+        seg.release_fd()  # the process has its own descriptor now
+        if s.unmapped is seg:
+            s.unmapped = None
+
+    def _close_fd_conn(self, fd: int) -> None:
+        conn, _ = self.fd_pending.pop(fd)
+        try:
+            self.poller.unregister(fd)
+        except KeyError:
+            pass
+        conn.close()
+
+    def _forget_tokens(self, identity: bytes) -> None:
+        for t in [t for t, (i, _seg) in self.fd_tokens.items() if i == identity]:
+            del self.fd_tokens[t]
+
     # -- connections ------------------------------------------------------------------------------
     def handle_connections(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -936,6 +1043,8 @@ class Daemon:
                 j.pending_since.pop(seq, None)
             if not j.sessions:
                 del self.jobs[s.job]
+        if hasattr(self, "fd_tokens"):
+            self._forget_tokens(identity)
         for seg in s.segments.values():
             seg.unlink()
             seg.close()
@@ -1011,6 +1120,14 @@ class Daemon:
         for sock in ("conn_monitor", "clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
+        if getattr(self, "fd_listener", None) is not None:
+            for fd in list(self.fd_pending):
+                self._close_fd_conn(fd)
+            self.fd_listener.close()
+            try:
+                os.unlink(self.fd_socket_path)
+            except OSError:
+                pass
         try:
             os.unlink(self.socket_path)
         except OSError:

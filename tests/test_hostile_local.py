@@ -680,3 +680,59 @@ def test_socket_directory_of_another_user_or_writable_by_all_is_refused(tmp_path
         other.mkdir()
         os.chown(other, 4242, 4242)
         assert "belongs to uid 4242" in _start_fails(tmp_path, str(other / "s.sock"))
+
+
+# -- 2 for processes of another user (--shm-group) --------------------------------------------------------
+MEMBER_CODE = """
+import os, numpy as np
+import birdnet.client as bc
+from birdnet.client import Client
+import birdnet.config, birdnet.wire, zmq.utils.monitor
+#--drop--
+kept = []
+orig = bc._fetch_memfd
+def keep(*a):
+    fd = orig(*a)
+    kept.append(os.dup(fd))  # the process's own descriptor of its segment, to attack it with
+    return fd
+bc._fetch_memfd = keep
+with Client(%r) as c:
+    b = c.buffer((1 << 16,), np.float32)
+    b[:] = 1.0
+    try:
+        os.ftruncate(kept[0], 0)
+        print("TRUNCATED")
+    except PermissionError:
+        print("SEALED")
+    print("OK", float(c.allreduce(b, name="b", timeout=20).sum()))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a throw-away user and group")
+def test_segment_of_a_process_of_another_user_is_sealed_too(tmp_path):
+    """The system service runs as user birdnet and training processes as members of its group, for
+    whom /proc/<daemon pid>/fd is closed: they fetch the sealed memfd through the side socket
+    (SCM_RIGHTS) instead of getting a named file they could truncate (SIGBUS in the daemon)."""
+    import grp
+    import subprocess
+
+    from test_security import _run_as, _shared_tmp, _throwaway_user
+    d = _shared_tmp("bn-seal")
+    group, user = f"bsg{os.getpid() % 100000}", f"bsu{os.getpid() % 100000}"
+    subprocess.run(["groupdel", group], capture_output=True)
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    uid = _throwaway_user(user, group)
+    try:
+        cl = LocalCluster(1, d, extra=["--shm-group", group])
+        cl.sockets = [str(d / "run" / "node0.sock")]
+        with cl:
+            assert grp.getgrnam(group).gr_gid == os.stat(cl.sockets[0] + ".shm").st_gid
+            r = _run_as(uid, MEMBER_CODE % cl.sockets[0])
+            alive = cl.procs[0].poll() is None
+        assert "SEALED" in r.stdout and "OK 65536.0" in r.stdout, r.stdout + r.stderr
+        assert alive
+    finally:
+        subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+        subprocess.run(["rm", "-rf", str(d)])
