@@ -984,7 +984,7 @@ class Daemon:
         limit = time.monotonic() - HELLO_TIMEOUT
         pids = {s.pid for s in self.sessions.values()}
         for fd, (pid, since) in list(self.connections.items()):
-            if since < limit and pid not in pids:
+            if since < limit and pid is not None and pid not in pids:  # (None: the kernel did not say)
                 self._drop_connection(fd, f"no hello within {HELLO_TIMEOUT} s")
                 self.connections[fd][1] = time.monotonic()  # once; the disconnect removes it
 
