@@ -11,7 +11,7 @@
 #
 #   bash deploy/check_aarch64.sh                    # everything but the mixed ring
 #   bash deploy/check_aarch64.sh --mixed-ring       # and the mixed x86_64 + aarch64 ring
-#   bash deploy/check_aarch64.sh --only-mixed-ring  # the ring alone (rootfs and venv must be built)
+#   bash deploy/check_aarch64.sh --only-mixed-ring  # the ring alone (no demo, no tests)
 #   bash deploy/check_aarch64.sh --cache DIR --suite bookworm --cpu cortex-a72 --runner proot
 #
 # How guest programs run. A Linux kernel runs an arm64 ELF only through a binfmt_misc handler.
@@ -217,6 +217,31 @@ fetch_wheels() {
   say "wheels: ${#n[@]} in $wheels ($(du -sh "$wheels" | cut -f1)), $((SECONDS - t0)) s"
 }
 
+# keep_mtimes save|restore: a reinstalled file whose content is unchanged gets its old mtime back,
+# so Numba's cache of the kernels in it (keyed on the source's mtime and size) stays valid
+keep_mtimes() {
+  "$python_host" - "$1" "$rootfs$venv/lib/python$pyver/site-packages/birdnet" "$rootfs$venv/.birdnet-mtimes.json" <<'EOF'
+import hashlib, json, os, sys
+how, top, db = sys.argv[1:]
+files = {}
+for d, _, names in os.walk(top):
+    for n in names:
+        if n.endswith(".py"):
+            p = os.path.join(d, n)
+            with open(p, "rb") as f:
+                files[os.path.relpath(p, top)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(p).st_mtime_ns)
+if how == "save":
+    with open(db, "w") as f:
+        json.dump(files, f)
+elif os.path.exists(db):
+    with open(db) as f:
+        old = json.load(f)
+    for rel, (digest, _) in files.items():
+        if rel in old and old[rel][0] == digest:
+            os.utime(os.path.join(top, rel), ns=(old[rel][1], old[rel][1]))
+EOF
+}
+
 make_venv() {
   local t0=$SECONDS
   if [ "$fresh" = 1 ]; then rm -rf "$rootfs$venv" "$numba_cache"; fi
@@ -230,8 +255,12 @@ make_venv() {
   # --no-compile: byte-compiling scipy and scikit-learn under emulation takes many minutes; the host's
   # Python does it below when it is the same minor version (same bytecode), else the guest writes
   # each .pyc at its first import
-  guest "$venv/bin/pip" install -q --no-compile --disable-pip-version-check --no-index --find-links "$wheels" \
-    -r "$wheels/requirements.txt" > "$log_dir/pip.log" 2>&1 || { tail -20 "$log_dir/pip.log"; die "pip install failed"; }
+  # pip itself takes minutes under emulation, even with nothing to do: only when the pins changed
+  if ! cmp -s "$wheels/requirements.txt" "$rootfs$venv/.birdnet-requirements.txt"; then
+    guest "$venv/bin/pip" install -q --no-compile --disable-pip-version-check --no-index --find-links "$wheels" \
+      -r "$wheels/requirements.txt" > "$log_dir/pip.log" 2>&1 || { tail -20 "$log_dir/pip.log"; die "pip install failed"; }
+    cp "$wheels/requirements.txt" "$rootfs$venv/.birdnet-requirements.txt"
+  fi
   # birdnet itself only when the wheel changed: a reinstall gives its kernels' source files new
   # mtimes, and Numba's cache (keyed on them) would compile every kernel again, minutes under qemu
   local sum
@@ -242,8 +271,10 @@ for n in sorted(z.namelist()):
     h.update(n.encode() + b"\0" + z.read(n))
 print(h.hexdigest())' "$bnwheel")"
   if [ "$(cat "$rootfs$venv/.birdnet-wheel.sha256" 2>/dev/null)" != "$sum" ]; then
+    keep_mtimes save
     guest "$venv/bin/pip" install -q --no-compile --disable-pip-version-check --no-index --find-links "$wheels" \
       --force-reinstall --no-deps "$bnwheel" >> "$log_dir/pip.log" 2>&1 || { tail -20 "$log_dir/pip.log"; die "pip install birdnet failed"; }
+    keep_mtimes restore
     echo "$sum" > "$rootfs$venv/.birdnet-wheel.sha256"
   else
     say "venv: birdnet wheel unchanged (sha256 ${sum:0:12}), kept with its compiled kernels"
@@ -304,10 +335,8 @@ main() {
   need_tools
   build_rootfs
   pick_runner
-  if [ "$do_checks" = 1 ]; then
-    fetch_wheels
-    make_venv
-  fi
+  fetch_wheels
+  make_venv
   copy_tests
   if [ "$do_checks" = 1 ]; then run_checks; fi
   if [ "$do_mixed" = 1 ]; then run_mixed; fi
