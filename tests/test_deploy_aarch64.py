@@ -43,9 +43,9 @@ def test_mixed_ring_plan_covers_every_codec_and_birdplus_mode():
 
 
 def test_ring_inputs_are_pinned_bits():
-    """The mixed ring's inputs come from integer arithmetic and power-of-two scaling only; these
-    digests are what the emulated aarch64 node computed too (its inputs are checked against the x86
-    bits in every mixed-ring run), so a change to the generator shows here first."""
+    """The mixed ring's inputs come from integer arithmetic and power-of-two scaling only, so they
+    are the same bits on every CPU (every mixed-ring run checks the emulated node's inputs against
+    the x86 bits); pinned here so a change to the generator shows on x86 first."""
     from ring_worker import portable_input, sha
     x = portable_input(20261201, 1, 0, 4099)
     assert x.dtype.name == "float32" and x[0] == 0 and (x != 0).sum() > 4000
