@@ -415,3 +415,34 @@ def test_proposal_kernels_against_numpy():
     B.momentum_norms(x, u, 0.9, 8, out)
     np.testing.assert_array_equal(u, ref_u)
     np.testing.assert_array_equal(out, B.block_norms(ref_u, 8))
+
+
+@pytest.mark.parametrize("params", [{}, {"momentum": 0.9}, {"accumulator": "block_age", "momentum": 0.9},
+                                    {"value_dtype": "float16"}])
+def test_birdplus_round_in_a_state_txn_equals_in_place(params):
+    """The daemon runs each round on a StateTxn (committed only when the round completes): the norm
+    pass writes the accumulators into the round's scratch instead of updating a copy. Payloads and
+    committed state must be bit-for-bit what the in-place update gives, and an uncommitted round
+    must leave the state as it was."""
+    from birdnet.codecs.base import StateTxn
+    n = 70_001
+    codec = get_codec("birdplus", density=0.01, **params)
+    plain, txn_state = codec.new_state(n), codec.new_state(n)
+    rng = np.random.default_rng(5)
+    for rnd in range(4):
+        x = rng.standard_normal(n).astype(np.float32)
+        ctx = contexts(n, rnd=rnd)[1]
+        a = codec.compress(x, ctx, plain)
+        before = {k: np.array(v, copy=True) for k, v in txn_state.items()}
+        dropped = StateTxn(txn_state)
+        codec.compress(x, ctx, dropped)  # a round that fails: never committed
+        for k, v in before.items():
+            np.testing.assert_array_equal(txn_state[k], v)
+        txn = StateTxn(txn_state)
+        b = codec.compress(x, ctx, txn)
+        txn.commit()
+        assert a.header == b.header
+        for pa, pb in zip(a.buffers, b.buffers):
+            np.testing.assert_array_equal(np.asarray(pa), np.asarray(pb))
+        for k in plain:
+            np.testing.assert_array_equal(txn_state[k], plain[k])

@@ -309,6 +309,32 @@ def test_norms_max_matches_block_norms_and_reference(n, b, mode):
     assert amax == (float(fin.max()) if fin.size else 0.0)
 
 
+@pytest.mark.parametrize("n", [7, 1003, 70_001])
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_norm_pass_into_scratch_equals_in_place(n, mode):
+    """u_in/v_in: the accumulators read from the committed state and written whole into a round's
+    scratch (garbage before) give bit-for-bit what the in-place update gives, and leave the inputs."""
+    x, u0, v0 = data(n, 1), data(n, 2), data(n, 3)
+    u, v = u0.copy(), v0.copy()
+    su, sv = np.full(n, np.nan, np.float32), np.full(n, 7.0, np.float32)  # scratch: anything before
+    out, sout = np.empty(-(-n // 8), np.float32), np.empty(-(-n // 8), np.float32)
+    if mode == 3:
+        B.momentum_norms(x, u, 0.9, 8, out)
+        B.momentum_norms(x, su, 0.9, 8, sout, u_in=u0)
+        np.testing.assert_array_equal(su, u)
+    else:
+        m = B.norms_max(x, u if mode == 2 else None, v, 0.9, 8, out, True)
+        sm = B.norms_max(x, su if mode == 2 else None, sv, 0.9, 8, sout, True,
+                         u_in=u0 if mode == 2 else None, v_in=v0)
+        assert sm == m
+        np.testing.assert_array_equal(sv, v)
+        if mode == 2:
+            np.testing.assert_array_equal(su, u)
+    np.testing.assert_array_equal(sout, out)
+    np.testing.assert_array_equal(u0, data(n, 2))  # the committed state is read only
+    np.testing.assert_array_equal(v0, data(n, 3))
+
+
 def test_norms_max_no_finite_norm():
     out = np.empty(2, np.float32)
     assert B.norms_max(np.array([np.nan] * 16, np.float32), None, None, 0.0, 8, out, False) == 0.0

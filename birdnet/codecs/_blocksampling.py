@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from birdnet.codecs import _common as C
-from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
+from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
 from birdnet.codecs.topk import density_param
 from birdnet.errors import CodecError, RoundMismatchError
 from birdnet.kernels import blocks as B
@@ -207,8 +207,9 @@ class BlockSamplingCodec(Codec):
                                  "with codec.new_state(n)")
             if "u" in ast:
                 C.require_state(self.name, state, n, ("u",))
-                src = ast["u"]
-                B.momentum_norms(x, src, prm["momentum"], b, norms)
+                u_in = peek(ast, "u")
+                src = overwrite(ast, "u")  # written whole from u_in: no copy of the committed u first
+                B.momentum_norms(x, src, prm["momentum"], b, norms, u_in=u_in)
             else:
                 src = x
                 B.block_norms(x, b, norms)
@@ -218,8 +219,12 @@ class BlockSamplingCodec(Codec):
             amax = B.finite_max(norms)
         elif prm["error_feedback"]:
             st = C.require_state(self.name, state, n, ("v",))
-            src = st["v"]
-            amax = B.norms_max(x, st.get("u"), src, prm["momentum"], b, norms, error_feedback=True)
+            # the accumulators are read from the committed state and written whole into the round's
+            # scratch (a StateTxn): no 4n-byte copy of each before the pass (it cost 3-6 ms at 11.7M)
+            v_in, u_in = peek(st, "v"), (peek(st, "u") if "u" in st else None)
+            src = overwrite(st, "v")
+            u = overwrite(st, "u") if u_in is not None else None
+            amax = B.norms_max(x, u, src, prm["momentum"], b, norms, error_feedback=True, u_in=u_in, v_in=v_in)
         else:
             src = x
             amax = B.norms_max(x, None, None, 0.0, b, norms, error_feedback=False)

@@ -64,10 +64,12 @@ _INF_BITS = np.int32(0x7F800000)
 
 
 @njit(cache=True)
-def _norms_chunk(xs, us, vs, momentum, b, mode, out):
-    """Block norms of one chunk (xs, us, vs: its elements; out: its blocks). mode 0: out = L1(x);
-    1: v += x, out = L1(v); 2: u = momentum*u + x, v += u, out = L1(v); 3: u = momentum*u + x,
-    out = L1(u) (the block-age accumulator, which keeps no v). Returns the largest finite
+def _norms_chunk(xs, u0s, us, v0s, vs, momentum, b, mode, out):
+    """Block norms of one chunk (xs, u0s/us, v0s/vs: its elements; out: its blocks). The
+    accumulators are read from u0s/v0s and written to us/vs (the same arrays to update in place; a
+    round's scratch otherwise, so its committed state needs no copy first). mode 0: out = L1(x);
+    1: v = v0 + x, out = L1(v); 2: u = momentum*u0 + x, v = v0 + u, out = L1(v); 3: u = momentum*u0
+    + x, out = L1(u) (the block-age accumulator, which keeps no v). Returns the largest finite
     norm as int32 bits (for non-negative floats the bit order is the value order; NaN/Inf excluded).
     Full blocks of 8 take an unrolled path with the same arithmetic as _block_l1."""
     n = xs.shape[0]
@@ -82,20 +84,20 @@ def _norms_chunk(xs, us, vs, momentum, b, mode, out):
             for j in range(jf):
                 lo = 8 * j
                 for i in range(8):
-                    vs[lo + i] = vs[lo + i] + xs[lo + i]
+                    vs[lo + i] = v0s[lo + i] + xs[lo + i]
                 out[j] = _block_l1_8(vs, lo)
         elif mode == 2:
             for j in range(jf):
                 lo = 8 * j
                 for i in range(8):
-                    us[lo + i] = momentum * us[lo + i] + xs[lo + i]
-                    vs[lo + i] = vs[lo + i] + us[lo + i]
+                    us[lo + i] = momentum * u0s[lo + i] + xs[lo + i]
+                    vs[lo + i] = v0s[lo + i] + us[lo + i]
                 out[j] = _block_l1_8(vs, lo)
         else:
             for j in range(jf):
                 lo = 8 * j
                 for i in range(8):
-                    us[lo + i] = momentum * us[lo + i] + xs[lo + i]
+                    us[lo + i] = momentum * u0s[lo + i] + xs[lo + i]
                 out[j] = _block_l1_8(us, lo)
         j0 = jf
     for j in range(j0, nb):
@@ -105,16 +107,16 @@ def _norms_chunk(xs, us, vs, momentum, b, mode, out):
             out[j] = _block_l1(xs, lo, hi)
         elif mode == 3:
             for i in range(lo, hi):
-                us[i] = momentum * us[i] + xs[i]
+                us[i] = momentum * u0s[i] + xs[i]
             out[j] = _block_l1(us, lo, hi)
         else:
             if mode == 1:
                 for i in range(lo, hi):
-                    vs[i] = vs[i] + xs[i]
+                    vs[i] = v0s[i] + xs[i]
             else:
                 for i in range(lo, hi):
-                    us[i] = momentum * us[i] + xs[i]
-                    vs[i] = vs[i] + us[i]
+                    us[i] = momentum * u0s[i] + xs[i]
+                    vs[i] = v0s[i] + us[i]
             out[j] = _block_l1(vs, lo, hi)
     bits = out.view(np.int32)
     mx = np.int32(0)
@@ -130,47 +132,52 @@ _NORM_CHUNK = 8192
 
 
 @njit(cache=True, inline="always")
-def _norms_one_chunk(x, u, v, momentum, b, mode, out, c):
+def _norms_one_chunk(x, u0, u, v0, v, momentum, b, mode, out, c):
     n = x.shape[0]
     j0 = c * _NORM_CHUNK
     j1 = min(out.shape[0], j0 + _NORM_CHUNK)
     lo = j0 * b
     hi = min(n, j1 * b)
-    return _norms_chunk(x[lo:hi], u[lo:hi] if mode >= 2 else u, v[lo:hi] if mode in (1, 2) else v,
-                        momentum, b, mode, out[j0:j1])
+    hu = mode >= 2
+    hv = mode in (1, 2)
+    return _norms_chunk(x[lo:hi], u0[lo:hi] if hu else u0, u[lo:hi] if hu else u,
+                        v0[lo:hi] if hv else v0, v[lo:hi] if hv else v, momentum, b, mode, out[j0:j1])
 
 
-@njit("int32(float32[::1], float32[::1], float32[::1], float32, int64, int64, float32[::1])",
-      cache=True, parallel=True)
-def _norms_pass(x, u, v, momentum, b, mode, out):
+_NORMS_SIG = ("int32(float32[::1], float32[::1], float32[::1], float32[::1], float32[::1], float32, int64, "
+              "int64, float32[::1])")
+
+
+@njit(_NORMS_SIG, cache=True, parallel=True)
+def _norms_pass(x, u0, u, v0, v, momentum, b, mode, out):
     # chunks of blocks in parallel; the per-block arithmetic does not depend on the thread count
     nch = -(-out.shape[0] // _NORM_CHUNK)
     cmax = np.zeros(nch, np.int32)
     for c in prange(nch):
-        cmax[c] = _norms_one_chunk(x, u, v, momentum, b, mode, out, c)
+        cmax[c] = _norms_one_chunk(x, u0, u, v0, v, momentum, b, mode, out, c)
     mx = np.int32(0)
     for c in range(nch):
         mx = max(mx, cmax[c])
     return mx
 
 
-@njit("int32(float32[::1], float32[::1], float32[::1], float32, int64, int64, float32[::1])", cache=True)
-def _norms_pass_serial(x, u, v, momentum, b, mode, out):
+@njit(_NORMS_SIG, cache=True)
+def _norms_pass_serial(x, u0, u, v0, v, momentum, b, mode, out):
     # same arithmetic as _norms_pass without a thread launch (small tensors)
     mx = np.int32(0)
     for c in range(-(-out.shape[0] // _NORM_CHUNK)):
-        mx = max(mx, _norms_one_chunk(x, u, v, momentum, b, mode, out, c))
+        mx = max(mx, _norms_one_chunk(x, u0, u, v0, v, momentum, b, mode, out, c))
     return mx
 
 
 def _block_norms(x, b, out):
     e = np.empty(0, np.float32)
-    _norms_pass(x, e, e, np.float32(0.0), b, np.int64(0), out)
+    _norms_pass(x, e, e, e, e, np.float32(0.0), b, np.int64(0), out)
 
 
 def _block_norms_serial(x, b, out):
     e = np.empty(0, np.float32)
-    _norms_pass_serial(x, e, e, np.float32(0.0), b, np.int64(0), out)
+    _norms_pass_serial(x, e, e, e, e, np.float32(0.0), b, np.int64(0), out)
 
 
 #: below this many elements the serial kernels win (a parallel launch costs ~0.1-0.3 ms)
@@ -189,10 +196,13 @@ def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
 
 
 def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentum: float, b: int,
-              out: np.ndarray, error_feedback: bool) -> float:
+              out: np.ndarray, error_feedback: bool, u_in: np.ndarray | None = None,
+              v_in: np.ndarray | None = None) -> float:
     """One pass over memory: block L1 norms into ``out`` (of ``x``, or of ``v`` after the error
     feedback update ``u = momentum*u + x; v += u`` / ``v += x`` when ``error_feedback``); returns
-    the largest finite norm (0.0 when there is none). Norms are bit-identical to :func:`block_norms`."""
+    the largest finite norm (0.0 when there is none). Norms are bit-identical to :func:`block_norms`.
+    With ``u_in``/``v_in`` the update reads the accumulators from them and writes ``u``/``v`` whole
+    (a round's scratch filled without copying the committed state into it first)."""
     n = x.shape[0]
     _check(x, np.float32, "norms x")
     _check(out, np.float32, "norms out", -(-n // b))
@@ -200,26 +210,37 @@ def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentu
     mode = 0
     if error_feedback:
         _check(v, np.float32, "accumulate v", n)
+        v_in = v if v_in is None else v_in
+        _check(v_in, np.float32, "accumulate v_in", n)
         mode = 1
         if u is not None:
             _check(u, np.float32, "accumulate u", n)
+            u_in = u if u_in is None else u_in
+            _check(u_in, np.float32, "accumulate u_in", n)
             mode = 2
     kern = _norms_pass if n >= SERIAL_BELOW else _norms_pass_serial
-    bits = kern(x, e if u is None or mode != 2 else u, e if mode == 0 else v, np.float32(momentum),
+    uu = e if mode != 2 else u
+    vv = e if mode == 0 else v
+    bits = kern(x, e if mode != 2 else u_in, uu, e if mode == 0 else v_in, vv, np.float32(momentum),
                 np.int64(b), np.int64(mode), out)
     return float(np.array([bits], np.int32).view(np.float32)[0])
 
 
-def momentum_norms(x: np.ndarray, u: np.ndarray, momentum: float, b: int, out: np.ndarray) -> None:
+def momentum_norms(x: np.ndarray, u: np.ndarray, momentum: float, b: int, out: np.ndarray,
+                   u_in: np.ndarray | None = None) -> None:
     """One pass: ``u = momentum*u + x`` and the block L1 norms of u into ``out`` (the block-age
     accumulator of docs/codecs.md keeps the momentum only; the same per-block arithmetic as
-    :func:`norms_max`, so the same for any thread count)."""
+    :func:`norms_max`, so the same for any thread count). With ``u_in`` the momentum is read from
+    it and ``u`` written whole."""
     n = x.shape[0]
     _check(x, np.float32, "momentum_norms x")
     _check(u, np.float32, "momentum_norms u", n)
+    u_in = u if u_in is None else u_in
+    _check(u_in, np.float32, "momentum_norms u_in", n)
     _check(out, np.float32, "momentum_norms out", -(-n // b))
     kern = _norms_pass if n >= SERIAL_BELOW else _norms_pass_serial
-    kern(x, u, np.empty(0, np.float32), np.float32(momentum), np.int64(b), np.int64(3), out)
+    e = np.empty(0, np.float32)
+    kern(x, u_in, u, e, e, np.float32(momentum), np.int64(b), np.int64(3), out)
 
 
 # -- weights and probabilities (O(m), sequential, float64) -----------------------------------------
