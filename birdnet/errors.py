@@ -29,6 +29,13 @@ class VersionMismatchError(ProtocolError):
     this error instead of hanging."""
 
 
+class SessionLostError(ProtocolError):
+    """The daemon has no session for the connection a request came on: it restarted since the
+    process said hello (ZeroMQ reconnected the socket underneath), or the process never said it.
+    Reaction: the request is refused; birdnet.client drops the connection and the shared memory of
+    the earlier daemon, fails the call with DaemonUnavailableError, and the next call reconnects."""
+
+
 class InputError(BirdnetError, ValueError):
     """A training process handed over something the daemon cannot reduce (object dtype, shapes
     that differ between participants, unknown op or codec, NaN with ``nan_policy="reject"``).
@@ -90,7 +97,7 @@ class UnsupportedError(InputError, NotImplementedError):
 
 
 _BY_NAME = {cls.__name__: cls for cls in [
-    BirdnetError, ConfigError, ProtocolError, VersionMismatchError, InputError, RoundMismatchError,
+    BirdnetError, ConfigError, ProtocolError, VersionMismatchError, SessionLostError, InputError, RoundMismatchError,
     CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, ProcessLostError, RoundTimeoutError,
     AuthenticationError, ShutdownError, UnsupportedError,
 ]}

@@ -67,6 +67,22 @@ class Segment:
         seg.buf = memoryview(seg._mmap)[:size]
         return seg
 
+    @classmethod
+    def attach(cls, fd: int, size: int, path: str, inode: int | None = None) -> "Segment":
+        """The client's side: map ``size`` bytes of a segment the daemon made, from the open
+        descriptor ``fd`` (the caller closes it; the mapping holds none). ValueError when the file
+        is smaller than ``size`` or is not the inode ``inode`` the daemon named: a file put in the
+        segment's place. Never unlinks (no name): the daemon removes its segments."""
+        st = os.fstat(fd)
+        if (inode is not None and st.st_ino != inode) or st.st_size < size:
+            raise ValueError(f"{path} is not the segment expected ({st.st_size} bytes, inode {st.st_ino}; "
+                             f"expected at least {size} bytes, inode {inode})")
+        seg = cls.__new__(cls)
+        seg._mmap = _map_shared(fd, max(size, 1))
+        seg.name, seg.size, seg.path, seg.inode = "", size, path, st.st_ino
+        seg.buf = memoryview(seg._mmap)[:size]
+        return seg
+
     def release_fd(self) -> None:
         """Close the memfd's descriptor (the mapping stays): the client has opened it by now."""
         if self.fd is not None:

@@ -1,6 +1,8 @@
 """PyTorch adapter, in the style of Horovod: ``import birdnet.client.torch as bnt``.
 
-Torch is imported here and nowhere else in birdnet; ``birdnet.client`` itself does not need it.
+Torch is imported here and in the modules beside it (``_torch_*.py``, ``torch_dist.py``), nowhere else
+in birdnet; ``birdnet.client`` itself does not need it. The optimizer recipes are in
+``_torch_recipes.py``, the broadcasts in ``_torch_broadcast.py``.
 
 Example::
 
@@ -103,14 +105,19 @@ the carry from the saved momentum estimate; only the residual not yet sent is lo
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 from birdnet.client import Client, Handle
+from birdnet.client._torch_broadcast import broadcast_optimizer_state, broadcast_parameters
+from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
+from birdnet.client._torch_recipes import (  # noqa: F401 - ADAM_WARMUP_STEPS, MOMENTUM_CODECS: public
+    ADAM_WARMUP_STEPS,
+    MOMENTUM_CODECS,
+    _Recipes,
+)
 
 from birdnet.errors import InputError
 
@@ -126,23 +133,6 @@ __all__ = [
 #: the ring), small enough that the first bucket is ready early in backward
 BUCKET_BYTES = 4 << 20
 
-#: automatic uncompressed warm-up of Adam / AdamW: the steps whose averaged gradients estimate the
-#: second moment before it is frozen (32 steps: the relative error of a mean of squares of 32
-#: samples, about 25 %, becomes about 12 % in the step size through the square root)
-ADAM_WARMUP_STEPS = 32
-
-#: codecs with a ``momentum`` parameter (momentum correction kept in the daemon)
-MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", "efsign", "bird", "birdplus"})
-#: codecs that compress Adam's gradient in preconditioned units (divided by the frozen denominator):
-#: the selecting codecs, which then keep the coordinates with the largest *steps*. The sign codecs
-#: do not: on the transformer benchmark marsit reached 2.028 nats/byte preconditioned against 1.957
-#: not (dense 1.899), birdplus 2.080 against 2.129 (200 steps, seed 0, docs/adapters.md)
-_PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
-#: codecs that change gradients too little to need a recipe
-_PLAIN_CODECS = frozenset({"none", "fp16"})
-#: a carry below this weight (momentum ** steps since the switch) is dropped
-_CARRY_FLOOR = 1e-6
-
 _default_client: Client | None = None
 
 
@@ -153,31 +143,6 @@ def init(socket: str | None = None, job: str = "default") -> Client:
     if _default_client is None:
         _default_client = Client(socket, job=job)
     return _default_client
-
-
-def _client(client: Client | None) -> Client:
-    return client if client is not None else init()
-
-
-# -- dtype mapping --------------------------------------------------------------------------------
-#: how a torch dtype travels: the daemon reduces float16/32/64 (and int32/int64 with op="sum")
-_WIRE = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.bfloat16: np.float32,  # NumPy has no bfloat16; float32 holds every bfloat16 exactly
-    torch.int64: np.int64, torch.int32: np.int32,
-    torch.int16: np.int32, torch.int8: np.int32, torch.uint8: np.int32, torch.bool: np.int32,
-}
-_NUMPY_TO_TORCH = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
-                   np.dtype(np.float16): torch.float16, np.dtype(np.int64): torch.int64,
-                   np.dtype(np.int32): torch.int32}
-
-
-def _wire_dtype(t: torch.Tensor, what: str) -> np.dtype:
-    dt = _WIRE.get(t.dtype)
-    if dt is None:
-        raise InputError(f"{what} has dtype {t.dtype}, which birdnet cannot reduce; "
-                         "use a float or integer tensor")
-    return np.dtype(dt)
 
 
 # -- buckets --------------------------------------------------------------------------------------
@@ -224,7 +189,7 @@ def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested her
         pass
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(_Recipes):
     """Mixed into a subclass of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
     def _birdnet_setup(self, named_parameters, codec, codec_params, bucket_bytes, client: Client,
@@ -275,67 +240,6 @@ class _DistributedOptimizer:
         self.last_stats: list[dict[str, Any]] = []
 
     # -- construction -----------------------------------------------------------------------------
-    def _kind(self) -> str | None:
-        if isinstance(self, torch.optim.SGD):
-            return "sgd"
-        if isinstance(self, (torch.optim.Adam, torch.optim.AdamW)):
-            return "adam"
-        return None
-
-    def _arrange(self) -> None:
-        """Decide each param group's recipe (module docstring); idempotent, so it runs again after
-        ``load_state_dict`` (a checkpoint of the plain optimizer carries its momentum back)."""
-        explicit = self._bn_mode is True
-        kind = self._kind()
-        for gi, g in enumerate(self.param_groups):
-            codec = g.get("birdnet_codec", self._bn_codec)
-            params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {})
-            if kind == "sgd":
-                m = float(g.get("momentum", 0.0) or 0.0)
-                if gi in self._bn_recipe:
-                    m = m or self._bn_recipe[gi][1]
-                if m == 0.0:
-                    continue
-            what = f"param group {gi} ({type(self).__mro__[2].__name__})"
-            if codec is None or codec in _PLAIN_CODECS:
-                if explicit:
-                    raise InputError(f"{what}: momentum_in_codec=True needs a momentum-correction codec "
-                                     "(codec='marsit', 'topk', 'dgc', 'randomk', 'bird' or 'birdplus'), given as "
-                                     "codec= or the group's 'birdnet_codec'")
-                continue  # dense, fp16 or the daemons' default: the optimizer runs as it is
-            usable = codec in MOMENTUM_CODECS and not (codec == "randomk" and params.get("error_feedback") is False)
-            if kind is None or not usable:
-                if explicit:
-                    raise InputError(f"{what}: momentum_in_codec=True needs torch.optim.SGD, Adam or AdamW and a "
-                                     f"codec with a momentum parameter ({', '.join(sorted(MOMENTUM_CODECS))}); "
-                                     f"got codec {codec!r}")
-                reason = (f"birdnet does not know {type(self).__mro__[2].__name__}" if kind is None
-                          else f"codec {codec!r} has no momentum parameter")
-                warnings.warn(f"birdnet DistributedOptimizer, {what}: {reason}, so nothing is arranged: the "
-                              f"optimizer steps on the decompressed average of the {codec!r}-compressed gradients "
-                              "and builds its momentum/statistics from it, which may converge worse than dense "
-                              "(use SGD, Adam or AdamW with a codec that has a momentum parameter for the "
-                              "automatic recipe)", stacklevel=4)
-                continue
-            if kind == "sgd":
-                if g.get("nesterov"):
-                    raise InputError(f"{what}: nesterov=True cannot move into a compressing codec (the look-ahead "
-                                     "needs the dense gradient); use nesterov=False, or momentum_in_codec=False to "
-                                     "keep Nesterov momentum in SGD on the decompressed average")
-                damp = float(g.get("dampening", 0.0) or 0.0)
-                g["momentum"] = 0.0
-                self._bn_recipe[gi] = ("sgd", m, damp)
-            else:
-                beta1 = float(g["betas"][0])
-                if not 0.0 < beta1 < 1.0:
-                    continue  # no first moment to move
-                m = beta1
-                self._bn_recipe[gi] = ("adam", beta1, 0.0)
-            if codec == "randomk":
-                params.setdefault("error_feedback", True)
-            params["momentum"] = m
-            g["birdnet_codec"], g["birdnet_codec_params"] = codec, params
-
     def _parameter_names(self, named_parameters) -> dict[int, str]:
         names: dict[int, str] = {}
         if named_parameters is not None:
@@ -367,7 +271,7 @@ class _DistributedOptimizer:
         buckets: list[_Bucket] = []
         open_: dict[tuple, _Bucket] = {}
         for gi, p in reversed(params):  # backward meets the last layers first
-            dt = _wire_dtype(p, f"parameter {names[id(p)]!r}")
+            dt = wire_dtype(p, f"parameter {names[id(p)]!r}")
             if dt.kind != "f":
                 raise InputError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; gradients must be floating point")
             key = (gi, dt, p.device)
@@ -420,28 +324,6 @@ class _DistributedOptimizer:
             view.div_(denom)
             b.scaled.add(id(p))
 
-    def _send_scale(self, b: _Bucket, p: torch.Tensor) -> torch.Tensor | None:
-        """Adam's frozen denominator when this parameter's gradient is to be compressed in
-        preconditioned units (module docstring), else None."""
-        recipe = self._bn_recipe.get(b.group)
-        if recipe is None or recipe[0] != "adam" or p.device.type != "cpu":
-            return None  # CUDA: not preconditioned (the bucket is on the host); untested here
-        g = self.param_groups[b.group]
-        if (g.get("birdnet_codec") not in _PRECONDITIONED_CODECS or self._warming_up(g)
-                or "exp_avg_sq" not in self.state.get(p, {})):
-            return None
-        return self._denominator(g, p)
-
-    def _denominator(self, g: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
-        """sqrt(v / bc2) + eps with v (and bc2) as they were when compression started."""
-        denom = self._bn_denom.get(id(p))
-        if denom is None:
-            st = self.state[p]
-            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
-            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
-            denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
-        return denom
-
     def _submit_ready(self) -> None:
         while self._bn_next < len(self._bn_buckets):
             b = self._bn_buckets[self._bn_next]
@@ -466,10 +348,6 @@ class _DistributedOptimizer:
         if self._warming_up(g):
             codec, params = "none", {}
         b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
-
-    def _warming_up(self, g: dict[str, Any]) -> bool:
-        codec = g.get("birdnet_codec", self._bn_codec)
-        return codec not in _PLAIN_CODECS and int(g.get("birdnet_step", 0)) < self.birdnet_warmup_steps
 
     @staticmethod
     def _name_of(b: _Bucket, p: torch.Tensor) -> str:
@@ -531,75 +409,12 @@ class _DistributedOptimizer:
         g = p.grad
         if g is not None and g.device == view.device and g.data_ptr() == view.data_ptr():
             return  # autograd accumulated straight into shared memory; the result is already there
-        if p.device.type == "cpu" and _NUMPY_TO_TORCH.get(b.dtype) == p.dtype and p.is_contiguous():
+        if p.device.type == "cpu" and NUMPY_TO_TORCH.get(b.dtype) == p.dtype and p.is_contiguous():
             p.grad = view  # no copy: .grad is the bucket slice
         elif g is None:
             p.grad = view.to(device=p.device, dtype=p.dtype, copy=True)
         else:
             g.copy_(view, non_blocking=p.device.type == "cuda")
-
-    @torch.no_grad()
-    def _apply_recipe(self, p: torch.Tensor, recipe: tuple[str, float, float], coded: bool) -> None:
-        """Turn the averaged result in ``p.grad`` into the momentum the wrapped optimizer (SGD)
-        or the frozen-variance update (Adam) steps on. Runs on identical inputs on every process."""
-        kind, beta, damp = recipe
-        st = self.state[p]
-        grad = p.grad
-        if kind == "sgd":
-            key = "birdnet_momentum_buffer"
-            if not coded:  # a dense bucket (or the warm-up): the momentum the codec would have applied
-                buf = st.get(key)
-                if buf is None:
-                    buf = st[key] = grad.detach().clone()  # torch's SGD: the first buffer is the gradient
-                else:
-                    buf.mul_(beta).add_(grad, alpha=1.0 - damp)
-                grad.copy_(buf)
-                return
-            if damp:
-                grad.mul_(1.0 - damp)
-        else:
-            key = "exp_avg"
-            if not coded:
-                return  # Adam steps on the dense average as usual
-            grad.mul_(1.0 - beta)
-        if not st.get("birdnet_coded"):
-            # the switch to compression: the momentum so far keeps decaying beside the codec's,
-            # which starts from zero
-            st["birdnet_coded"] = True
-            est = st.get(key)
-            if kind == "adam":
-                if est is None or "exp_avg_sq" not in st:
-                    raise InputError(f"parameter of shape {tuple(p.shape)} reached the compressed phase without "
-                                     "Adam state from a dense warm-up (warmup_steps); a checkpoint of a run that "
-                                     "never warmed up cannot be continued compressed")
-                est = est / (1.0 - beta ** float(st["step"]))  # bias-corrected first moment
-            if est is not None:
-                st["birdnet_carry"], st["birdnet_carry_weight"] = est.clone(), 1.0
-        carry = st.get("birdnet_carry")
-        if carry is not None:
-            carry.mul_(beta)
-            grad.add_(carry)
-            st["birdnet_carry_weight"] = float(st["birdnet_carry_weight"]) * beta
-            if st["birdnet_carry_weight"] < _CARRY_FLOOR:
-                del st["birdnet_carry"], st["birdnet_carry_weight"]
-        # the current momentum estimate: what a checkpoint restarts the carry from
-        est = st.get(key)
-        if est is None or est.shape != grad.shape:
-            st[key] = grad.detach().clone()
-        else:
-            est.copy_(grad)
-
-    def _restart_carry(self) -> None:
-        """After a restore: the saved momentum estimate becomes the carry, and the daemons' codec
-        state is reset before the next submission."""
-        for gi, (kind, _beta, _damp) in self._bn_recipe.items():
-            key = "birdnet_momentum_buffer" if kind == "sgd" else "exp_avg"
-            for p in self.param_groups[gi]["params"]:
-                st = self.state.get(p)
-                if st and st.get("birdnet_coded") and st.get(key) is not None:
-                    st["birdnet_carry"], st["birdnet_carry_weight"] = st[key].detach().clone(), 1.0
-                    self._bn_reset_pending = True
-        self._bn_denom.clear()
 
     def load_state_dict(self, state_dict) -> None:
         """The wrapped optimizer's ``load_state_dict``, then the recipe is arranged again and the
@@ -635,18 +450,6 @@ class _DistributedOptimizer:
         for g in self.param_groups:
             g["birdnet_step"] = int(g.get("birdnet_step", 0)) + 1
         return loss
-
-    @torch.no_grad()
-    def _frozen_adam_update(self, g: dict[str, Any], p: torch.Tensor) -> None:
-        denom = self._denominator(g, p)
-        d = -p.grad if g.get("maximize") else p.grad
-        lr, wd = float(g["lr"]), float(g["weight_decay"])
-        if wd:
-            if isinstance(self, torch.optim.AdamW) or g.get("decoupled_weight_decay"):
-                p.mul_(1.0 - lr * wd)
-            else:
-                d = d + wd * p  # Adam's L2 term, outside the momentum (as for SGD)
-        p.addcdiv_(d, denom, value=-lr)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (the optimizer then no longer all-reduces)."""
@@ -710,127 +513,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                         warmup_steps, backward_passes_per_step, timeout, overlap)
     dist._restart_carry()  # a restored state wrapped: its codec state is not in the daemons
     return dist
-
-
-# -- broadcasts -----------------------------------------------------------------------------------
-def _broadcast_tensors(tensors: list[tuple[str, torch.Tensor]], root_rank: int, client: Client, prefix: str) -> None:
-    """Overwrite every tensor with root's values: one broadcast round per wire dtype."""
-    groups: dict[np.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in tensors:
-        groups.setdefault(_wire_dtype(t, f"tensor {name!r}"), []).append((name, t))
-    for dt in sorted(groups, key=lambda d: d.name):  # the same order on every process
-        items = groups[dt]
-        total = sum(t.numel() for _n, t in items)
-        # a plain array (one copy into shared memory): client.buffer() would hold a segment for good
-        buf = np.zeros(max(total, 1), dt)
-        flat = torch.from_numpy(buf)
-        off = 0
-        for _n, t in items:
-            n = t.numel()
-            flat[off:off + n].copy_(t.detach().reshape(-1))
-            off += n
-        flat = torch.from_numpy(client.broadcast(buf, root=root_rank, name=f"{prefix}/{dt.name}"))
-        off = 0
-        with torch.no_grad():
-            for _n, t in items:
-                n = t.numel()
-                t.copy_(flat[off:off + n].view(t.shape))
-                off += n
-
-
-def broadcast_parameters(params, root_rank: int = 0, client: Client | None = None) -> None:
-    """Overwrite ``params`` on every process with those of ``root_rank``, in place.
-
-    ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()``, or a list of
-    tensors; every process passes the same structure.
-    """
-    client = _client(client)
-    if isinstance(params, Mapping):
-        items = list(params.items())
-    else:
-        items = []
-        for i, x in enumerate(params):
-            items.append(x if isinstance(x, tuple) else (f"tensor{i}", x))
-    items = [(n, t) for n, t in items if torch.is_tensor(t)]
-    _broadcast_tensors(items, root_rank, client, "broadcast/parameters")
-
-
-_T, _TUPLE = "\x00tensor", "\x00tuple"
-
-
-def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with tensors replaced by placeholders, in a form msgpack carries faithfully."""
-    if torch.is_tensor(obj):
-        tensors.append(obj)
-        return {_T: len(tensors) - 1, "shape": list(obj.shape), "dtype": str(obj.dtype).replace("torch.", "")}
-    if isinstance(obj, dict):
-        return {k: _skeleton(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return {_TUPLE: [_skeleton(v, tensors) for v in obj]}
-    if isinstance(obj, list):
-        return [_skeleton(v, tensors) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise InputError(f"optimizer state holds a {type(obj).__name__}, which broadcast_optimizer_state cannot send")
-
-
-def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        if _T in obj:
-            return tensors[obj[_T]]
-        if _TUPLE in obj:
-            return tuple(_rebuild(v, tensors) for v in obj[_TUPLE])
-        return {k: _rebuild(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rebuild(v, tensors) for v in obj]
-    return obj
-
-
-def _tensors_in(obj: Any, shapes: list[tuple[int, list[int], str]]) -> None:
-    if isinstance(obj, dict):
-        if _T in obj:
-            shapes.append((obj[_T], obj["shape"], obj["dtype"]))
-            return
-        for v in obj.values():
-            _tensors_in(v, shapes)
-    elif isinstance(obj, list):
-        for v in obj:
-            _tensors_in(v, shapes)
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              client: Client | None = None) -> None:
-    """Give every process ``root_rank``'s optimizer state and hyper-parameters (e.g. after root
-    restored a checkpoint). Works when the other processes have no state yet.
-
-    Root's ``state_dict()`` travels as a msgpack skeleton (numbers, strings, nesting) followed by its
-    tensors, one broadcast per dtype; every process then calls ``load_state_dict``.
-    """
-    client = _client(client)
-    tensors: list[torch.Tensor] = []
-    blob = b""
-    if client.rank == root_rank:
-        blob = msgpack.packb(_skeleton(optimizer.state_dict(), tensors), use_bin_type=True)
-    size = client.broadcast(np.array([len(blob)], np.int64), root=root_rank, name="broadcast/optimizer/size")
-    nbytes = int(size[0])
-    padded = np.zeros((nbytes + 3) // 4 * 4, np.uint8)
-    padded[: len(blob)] = np.frombuffer(blob, np.uint8)
-    got = client.broadcast(padded.view(np.int32), root=root_rank, name="broadcast/optimizer/skeleton")
-    skeleton = msgpack.unpackb(got.view(np.uint8)[:nbytes].tobytes(), raw=False, strict_map_key=False)
-    shapes: list[tuple[int, list[int], str]] = []
-    _tensors_in(skeleton, shapes)
-    if client.rank != root_rank:
-        tensors = [torch.empty(0)] * len(shapes)
-        for i, shape, dtype in shapes:
-            tensors[i] = torch.zeros(shape, dtype=getattr(torch, dtype))
-    else:
-        tensors = [t.detach().cpu().clone() for t in tensors]
-    _broadcast_tensors([(f"state{i}", tensors[i]) for i, _s, _d in sorted(shapes)], root_rank, client,
-                       "broadcast/optimizer")
-    state = _rebuild(skeleton, tensors)
-    # msgpack keeps int keys, but ``state`` keys must be ints and param_groups' ``params`` lists
-    state["state"] = {int(k): v for k, v in state["state"].items()}
-    optimizer.load_state_dict(state)
 
 
 # The torch.distributed backend "birdnet" and the DDP hook (birdnet.client.torch_dist), only where

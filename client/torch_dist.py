@@ -13,15 +13,8 @@ Example (one process per ``--local-size`` slot of each node's daemon; no ``MASTE
     model.register_comm_hook(bnt.HookState(codec="birdplus", codec_params={"density": 0.01}),
                              bnt.comm_hook)           # optional: compressed buckets
 
-How calls travel
-----------------
-A ``Client`` is not thread-safe and DDP waits for its buckets' futures inside C++, so something
-other than the training thread must complete them. Each job's connection to the daemon is owned by
-one thread (``_Engine``, named ``birdnet-torch``): a collective queues a request and wakes the
-thread through a pipe; the thread submits it (the one copy into shared memory), polls the daemon's
-socket, its result doorbell and the wake pipe together, and completes the request's
-``torch.futures.Future`` when the result is back (the copy out, straight into the tensor). That
-is the same hand-off Gloo makes to its worker threads.
+How calls travel: each job's connection to the daemon is owned by one thread, to which collectives
+are queued and which completes their futures (``birdnet.client._torch_engine``).
 
 Collectives of the backend: ``all_reduce`` with SUM and AVG (the daemon's ``sum`` and ``mean``),
 MIN, MAX, PRODUCT, BAND, BOR, BXOR (built from an all-gather, below); ``broadcast``; ``barrier``;
@@ -42,24 +35,19 @@ the calling thread, the result copied back): **untested**, the development machi
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import os
-import threading
-import time
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import zmq
 from birdnet.client import Client, Handle
+from birdnet.client._torch_engine import _Engine, _engine, _forget, _Staged, _target
 from torch.futures import Future
 
-from birdnet.errors import BirdnetError, DaemonUnavailableError, InputError, RoundTimeoutError, UnsupportedError
+from birdnet.errors import InputError, UnsupportedError
 
 __all__ = ["BACKEND", "BirdnetProcessGroup", "HookState", "MIN_TORCH", "comm_hook", "init_process_group"]
 
@@ -69,237 +57,6 @@ MIN_TORCH = "2.1"
 SUPPORTED = ("all_reduce (SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR, BXOR), all_reduce_coalesced, broadcast, "
              "barrier, all_gather, all_gather_into_tensor, all_gather_into_tensor_coalesced, on CPU tensors "
              "(CUDA staged through host memory), in the default group of all processes of the job")
-
-#: how a torch dtype travels (NumPy has no bfloat16: float32 holds every bfloat16 exactly; small
-#: integer types and bool are summed as int32, which the daemon reduces)
-_WIRE = {
-    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-    torch.bfloat16: np.float32, torch.int64: np.int64, torch.int32: np.int32,
-    torch.int16: np.int32, torch.int8: np.int32, torch.uint8: np.int32, torch.bool: np.int32,
-}
-_NATIVE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-           torch.int64: np.int64, torch.int32: np.int32}
-
-
-def _wire_dtype(t: torch.Tensor) -> np.dtype:
-    dt = _WIRE.get(t.dtype)
-    if dt is None:
-        raise InputError(f"a tensor of dtype {t.dtype} cannot travel through birdnet; use a float or integer tensor")
-    return np.dtype(dt)
-
-
-# -- the thread that owns a job's client ----------------------------------------------------------
-@dataclasses.dataclass
-class _Request:
-    start: Callable[[Client], Handle]        #: runs on the engine thread: submits, returns the handle
-    finish: Callable[[Handle], Any]           #: runs there once the result is back: the future's value
-    future: Future
-    what: str
-    deadline: float | None
-    handle: Handle | None = None
-
-
-class _Engine:
-    """One client, driven by one thread; collectives are queued to it and complete futures."""
-
-    def __init__(self, client: Client, timeout: float | None = None) -> None:
-        self.client = client
-        self.timeout = timeout
-        self._queue: collections.deque[_Request] = collections.deque()
-        self._inflight: list[_Request] = []
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
-        self._closing = False
-        self.users = 0  #: HookStates that made this engine and close it (HookState.close)
-        self._idle_poller = zmq.Poller()
-        self._idle_poller.register(self._rfd, zmq.POLLIN)
-        self._thread = threading.Thread(target=self._run, name="birdnet-torch", daemon=True)
-        self._thread.start()
-
-    def submit(self, start, finish, what: str, timeout: float | None = None) -> Future:
-        if self._closing:
-            raise DaemonUnavailableError(f"{what}: the birdnet process group was destroyed")
-        timeout = self.timeout if timeout is None else timeout
-        fut: Future = Future()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._queue.append(_Request(start, finish, fut, what, deadline))
-        self._wake()
-        return fut
-
-    def _start_queued(self) -> None:
-        while self._queue:
-            req = self._queue.popleft()
-            try:
-                req.handle = req.start(self.client)
-            except BaseException as exc:  # noqa: BLE001 - the caller hears it through its future
-                req.future.set_exception(exc)
-                continue
-            self._inflight.append(req)
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wfd, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the thread is awake anyway
-
-    def close(self, close_client: bool = True) -> None:
-        """Finish what is queued and in flight, then stop the thread (and close the client)."""
-        if self._closing:
-            return
-        self._closing = True
-        self._wake()
-        self._thread.join(60)
-        os.close(self._rfd)
-        os.close(self._wfd)
-        if close_client:
-            self.client.close()
-
-    # -- the thread -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            self._start_queued()
-            self._finish_ready()
-            if self._closing and not self._queue and not self._inflight:
-                return
-            if self._inflight:
-                self._poll_daemon()
-                continue
-            if dict(self._idle_poller.poll(1000)).get(self._rfd):
-                self._drain_pipe()
-
-    def _drain_pipe(self) -> None:
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def _poll_daemon(self) -> None:
-        c = self.client
-        poller = zmq.Poller()
-        poller.register(self._rfd, zmq.POLLIN)
-        daemon_fds = []
-        for s in (c._sock, c._monitor, c._door.fd if c._door is not None else None):
-            if s is not None:
-                poller.register(s, zmq.POLLIN)
-                daemon_fds.append(s)
-        wait = 1.0
-        deadlines = [r.deadline for r in self._inflight if r.deadline is not None]
-        if deadlines:
-            wait = max(0.0, min(wait, min(deadlines) - time.monotonic()))
-        events = dict(poller.poll(int(wait * 1000) + 1))
-        if self._rfd in events:
-            self._drain_pipe()
-        door = c._door
-        if door is not None and door.fd in events:
-            # the usual way results come: read them without the 1 ms poll _pump ends with
-            door.read()
-            while door.pending:
-                h = door.pending.popleft()
-                if isinstance(h.get("call"), int):
-                    c._replies[h["call"]] = h
-        others = [s for s in daemon_fds if door is None or s is not door.fd]
-        if any(s in events for s in others) or not events or (door is not None and door.eof):
-            try:
-                c._pump(0.0)  # the socket and the monitor: errors, results too big for the doorbell, a lost daemon
-            except BirdnetError as exc:
-                self._fail_all(exc)
-        self._expire()
-
-    def _finish_ready(self) -> None:
-        replies = self.client._replies
-        keep = []
-        for req in self._inflight:
-            h = req.handle
-            if h is not None and (h._done or h.call in replies):
-                try:
-                    req.future.set_result(req.finish(h))
-                except BaseException as exc:  # noqa: BLE001
-                    if not req.future.done():
-                        req.future.set_exception(exc)
-            else:
-                keep.append(req)
-        self._inflight = keep
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for req in [r for r in self._inflight if r.deadline is not None and now >= r.deadline]:
-            self._inflight.remove(req)
-            # the slot stays busy: the daemon may still write the late result into it
-            req.future.set_exception(RoundTimeoutError(
-                f"{req.what} did not complete within the process group's timeout; a process of the job "
-                "may not have called it (birdnet status shows the job's processes)"))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for req in self._inflight:
-            if req.handle is not None and req.handle.slot is not None:
-                req.handle.slot.busy = False
-            req.future.set_exception(type(exc)(f"{req.what}: {exc}"))
-        self._inflight = []
-
-
-_engines: dict[tuple[str, str], _Engine] = {}   #: (socket, job) -> engine, one per process
-_engines_lock = threading.Lock()
-
-
-def _engine(job: str, socket: str | None, client: Client | None = None, timeout: float | None = None) -> _Engine:
-    if client is not None:
-        key = (client.socket_path, client.job)
-        with _engines_lock:
-            e = _engines.get(key)
-            if e is None:
-                e = _engines[key] = _Engine(client, timeout)
-            elif e.client is not client:
-                raise InputError(f"job {client.job!r} already has a connection to birdnetd at {client.socket_path} "
-                                 "in this process (the birdnet process group's or a HookState's); pass that one, or none")
-            return e
-    from birdnet.client import _default_socket
-    path = socket or _default_socket()
-    with _engines_lock:
-        e = _engines.get((path, job))
-        if e is None:
-            e = _engines[(path, job)] = _Engine(Client(path, job=job), timeout)
-        return e
-
-
-def _forget(e: _Engine) -> None:
-    with _engines_lock:
-        for k, v in list(_engines.items()):
-            if v is e:
-                del _engines[k]
-
-
-# -- staging --------------------------------------------------------------------------------------
-class _Staged:
-    """A tensor as the client sees it: a NumPy array of its wire dtype (a view when possible) and how
-    the result gets back into the tensor."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.wire = _wire_dtype(t)
-        native = _NATIVE.get(t.dtype) == self.wire.type and t.device.type == "cpu" and t.is_contiguous()
-        self.view: np.ndarray | None = t.detach().numpy() if native else None
-        if self.view is not None:
-            self.array = self.view
-        else:  # another dtype or layout, or a CUDA tensor (untested here): a host copy
-            as_wire = next(k for k, v in _NATIVE.items() if v == self.wire.type)
-            self.array = t.detach().to("cpu", as_wire, copy=True).contiguous().numpy()
-
-    def result(self, res: np.ndarray) -> None:
-        if self.view is not None and np.shares_memory(res, self.view):
-            return
-        src = torch.from_numpy(np.ascontiguousarray(res)).view(self.tensor.shape)
-        with torch.no_grad():
-            self.tensor.copy_(src.to(self.tensor.dtype))
-
-
-def _target(h: Handle, st: _Staged) -> Handle:
-    # the client writes the result into ``out``: straight into the tensor's memory when it is a view
-    if st.view is not None:
-        h.out = st.view
-    return h
-
 
 _OP_NAMES = {}
 

@@ -50,6 +50,7 @@ from birdnet.errors import (
     ProcessLostError,
     ProtocolError,
     RoundTimeoutError,
+    SessionLostError,
     ShutdownError,
     to_wire,
 )
@@ -592,7 +593,7 @@ class Daemon:
     def _session(self, identity: bytes) -> Session:
         s = self.sessions.get(identity)
         if s is None:
-            raise ProtocolError("no session: send hello first (the daemon may have restarted)")
+            raise SessionLostError("no session: send hello first (the daemon may have restarted)")
         return s
 
     def handle_alloc(self, identity: bytes, h: dict[str, Any]) -> None:

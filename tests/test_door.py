@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from birdnet.client import Client
+from birdnet.client._connection import Connection
 from cluster import LocalCluster
 
 from birdnet.door import ATOMIC_BYTES, Bell, BellWriter, Door, DoorReader
@@ -81,8 +82,8 @@ def test_results_come_through_the_doorbell_and_the_slot_is_free_at_once(tmp_path
     with LocalCluster(1, tmp_path) as cl:
         sock = cl.sockets[0]
         with Client(sock, job="door") as c:
-            assert c._door is not None
-            assert c._door.name in _shm_names(sock)  # until the first call announces it
+            assert c._conn.door is not None
+            assert c._conn.door.name in _shm_names(sock)  # until the first call announces it
             got = 0
             for i in range(200):
                 x = np.full(100 + i, float(i), np.float32)
@@ -90,7 +91,7 @@ def test_results_come_through_the_doorbell_and_the_slot_is_free_at_once(tmp_path
                 assert out.tolist() == x.tolist()
                 got += 1
             # the FIFO's name is gone once the process announced it; both ends stay open
-            assert c._door.name not in _shm_names(sock) and c._door.fd is not None
+            assert c._conn.door.name not in _shm_names(sock) and c._conn.door.fd is not None
         assert got == 200
         deadline = time.monotonic() + 5
         while _shm_names(sock) and time.monotonic() < deadline:
@@ -109,21 +110,28 @@ class _Counting(DoorReader):
 
 @pytest.mark.timeout(120)
 def test_which_way_results_come(tmp_path, monkeypatch):
-    import birdnet.client as client_mod
-    monkeypatch.setattr(client_mod, "DoorReader", _Counting)
+    import birdnet.client._connection as connection_mod
+    monkeypatch.setattr(connection_mod, "DoorReader", _Counting)
 
-    class NoDoor(Client):  # an older client: its hello does not ask for a doorbell
-        def _send(self, header):
-            super()._send({k: v for k, v in header.items() if k != "door"})
+    class OldConnection(Connection):  # an older client: its hello does not ask for a doorbell
+        def send(self, header):
+            super().send({k: v for k, v in header.items() if k != "door"})
 
-    class Unannounced(Client):  # has the doorbells, never says so in a call (nor uses the submit FIFO)
-        def _connect(self, timeout=None):
-            super()._connect(timeout)
-            if self._bell is not None:
-                self._bell.send = lambda header: False
+    class NoDoor(Client):
+        _Connection = OldConnection
 
-        def _send(self, header):
-            super()._send({k: v for k, v in header.items() if not (k == "door" and header["t"] == "submit")})
+    class UnannouncedConnection(Connection):  # has the doorbells, never says so in a call (nor uses the submit FIFO)
+        def connect(self, timeout):
+            welcome = super().connect(timeout)
+            if self.bell is not None:
+                self.bell.send = lambda header: False
+            return welcome
+
+        def send(self, header):
+            super().send({k: v for k, v in header.items() if not (k == "door" and header["t"] == "submit")})
+
+    class Unannounced(Client):
+        _Connection = UnannouncedConnection
 
     with LocalCluster(1, tmp_path) as cl:
         sock = cl.sockets[0]
@@ -134,11 +142,11 @@ def test_which_way_results_come(tmp_path, monkeypatch):
         assert _Counting.received == 5  # all five through the doorbell
         _Counting.received = 0
         with NoDoor(sock, job="b") as c:
-            assert c._door is None
+            assert c._conn.door is None
             for i in range(5):
                 assert c.allreduce(np.full(10, i, np.float32), timeout=30).tolist() == [i] * 10
         with Unannounced(sock, job="c") as c:
-            assert c._door is not None
+            assert c._conn.door is not None
             for i in range(5):
                 assert c.allreduce(np.full(10, i, np.float32), timeout=30).tolist() == [i] * 10
         assert _Counting.received == 0  # the daemon wrote nothing a process did not say it reads
@@ -169,10 +177,10 @@ def test_submit_fifo_carries_maps_and_survives_garbage():
 def test_calls_through_the_submit_fifo_and_what_the_daemon_does_with_bad_ones(tmp_path):
     with LocalCluster(1, tmp_path) as cl:
         with Client(cl.sockets[0], job="bell") as c:
-            assert c._bell is not None
+            assert c._conn.bell is not None
             sent = []
-            orig = c._bell.send
-            c._bell.send = lambda h: sent.append(h["t"]) or orig(h)
+            orig = c._conn.bell.send
+            c._conn.bell.send = lambda h: sent.append(h["t"]) or orig(h)
             c.barrier(timeout=30)
             assert c.allreduce(np.arange(5, dtype=np.float32), timeout=30).tolist() == [0, 1, 2, 3, 4]
             assert sent == ["submit", "submit"]  # both calls went through the FIFO
@@ -180,14 +188,14 @@ def test_calls_through_the_submit_fifo_and_what_the_daemon_does_with_bad_ones(tm
             orig({"t": "status", "call": 900001})
             orig({"t": "submit", "call": 900002, "seq": "x", "kind": "allreduce"})
             deadline = time.monotonic() + 20
-            while not {900001, 900002} <= set(c._replies) and time.monotonic() < deadline:
-                c._pump(0.1)
-            assert c._replies[900001]["t"] == "error" and "unknown request" in c._replies[900001]["message"]
-            assert c._replies[900002]["t"] == "error" and "seq" in c._replies[900002]["message"]
+            while not {900001, 900002} <= set(c._replies.received) and time.monotonic() < deadline:
+                c._replies.pump(0.1)
+            assert c._replies.received[900001]["t"] == "error" and "unknown request" in c._replies.received[900001]["message"]
+            assert c._replies.received[900002]["t"] == "error" and "seq" in c._replies.received[900002]["message"]
             # bytes that are not msgpack: the process hears it (not a silent loss), then goes on
-            os.write(c._bell.fd, b"\xc1\xc1")
+            os.write(c._conn.bell.fd, b"\xc1\xc1")
             with pytest.raises(ProtocolError, match="undecodable bytes in the submit FIFO"):
-                c._await(-1, 20)
+                c._replies.wait(-1, 20)
             assert c.allreduce(np.ones(3, np.float32), timeout=30).tolist() == [1.0] * 3
         assert "undecodable" in cl.log(0)
 

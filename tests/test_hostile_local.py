@@ -404,7 +404,7 @@ def test_client_buffer_truncated_by_its_own_process(node):
     with Client(node.sock, job="buftrunc") as c:
         buf = c.buffer((1 << 16,), np.float32)
         buf[:] = 1.0
-        slot = next(iter(c._owned.values()))
+        slot = next(iter(c._pool.owned.values()))
         fd = os.open(slot.path, os.O_RDWR)
         try:
             with pytest.raises(PermissionError):
@@ -688,7 +688,7 @@ def test_socket_directory_of_another_user_or_writable_by_all_is_refused(tmp_path
 # -- 2 for processes of another user (--shm-group) --------------------------------------------------------
 MEMBER_CODE = """
 import os, numpy as np
-import birdnet.client as bc
+import birdnet.client._slots as bc
 from birdnet.client import Client
 import birdnet.config, birdnet.wire, zmq.utils.monitor
 #--drop--

@@ -149,14 +149,14 @@ def mixed_paths(sock, node, local, count, long_every=3):
     with Client(sock) as c:
         c.barrier()
         paths = {"fifo": 0, "socket": 0}
-        if c._bell is not None:
-            orig = c._bell.send
+        if c._conn.bell is not None:
+            orig = c._conn.bell.send
 
             def counting(h):
                 ok = orig(h)
                 paths["fifo" if ok else "socket"] += h.get("t") == "submit"
                 return ok
-            c._bell.send = counting
+            c._conn.bell.send = counting
         hs = []
         for i in range(count):
             name = ("long-" * 1000 + str(i)) if i % long_every == 0 else f"m{i}"
@@ -195,9 +195,9 @@ def held_results(sock, node, local, n, kept):
             r = c.allreduce(x, op="sum", name=f"held{i}", timeout=60)
             held.append(r)
             views.append(r[1:])  # a view alone must keep the slot too
-            in_slot.append(any(np.shares_memory(r, np.frombuffer(s.mmap, np.uint8)) for s in c._slots.values()))
+            in_slot.append(any(np.shares_memory(r, s.memory) for s in c._pool.slots.values()))
         del held[:2]  # only views left of the first two
-        slots_after_held = len(c._slots)
+        slots_after_held = len(c._pool.slots)
         prev = None
         for i in range(6):
             x = np.full(n, c.rank + 1 + 10 * (kept + i), np.float32)
@@ -207,5 +207,5 @@ def held_results(sock, node, local, n, kept):
             prev = out
         loop_value = float(prev[0])
         return {"size": c.size, "views": [v.copy() for v in views], "in_slot": in_slot,
-                "slots_after_held": slots_after_held, "slots_after_loop": len(c._slots),
+                "slots_after_held": slots_after_held, "slots_after_loop": len(c._pool.slots),
                 "loop_value": loop_value, "result_slots": RESULT_SLOTS}
