@@ -131,6 +131,8 @@ class ElasticPeerNet(PeerNet):
         """Something from rank ``r`` arrived within peer_timeout (no grace after start-up)."""
         if r == self.rank:
             return True
+        if r in self.duplicates:
+            return False  # two daemons claim it (its pongs still come, from the one we dial)
         now = time.monotonic() if now is None else now
         return self.seen[r] > 0 and now - self.seen[r] <= self.settings.peer_timeout
 
@@ -139,6 +141,8 @@ class ElasticPeerNet(PeerNet):
         less than peer_timeout ago."""
         if r == self.rank:
             return True
+        if r in self.duplicates:
+            return False
         now = time.monotonic() if now is None else now
         return now - max(self.seen[r], self.started) <= self.settings.peer_timeout
 
@@ -174,6 +178,7 @@ class ElasticPeerNet(PeerNet):
     def describe_lost(self, lost) -> str:
         text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
         reasons = [f"rank {r}: {self.refused[r]}" for r in sorted(lost) if r in self.refused]
+        reasons += [self.duplicates[r] for r in sorted(lost) if r in self.duplicates]
         return text + (f" [{'; '.join(reasons)}]" if reasons else "")
 
     def peer_states(self) -> list[dict[str, Any]]:
@@ -191,6 +196,8 @@ class ElasticPeerNet(PeerNet):
             row = {"rank": p.rank, "address": p.address, "state": state}
             if p.rank in self.refused:
                 row["state"], row["reason"] = "refused", self.refused[p.rank]
+            if p.rank in self.duplicates:
+                row["state"], row["reason"] = "refused", self.duplicates[p.rank]
             out.append(row)
         return out
 
@@ -303,6 +310,14 @@ class ElasticPeerNet(PeerNet):
         who = self._peer_of_connection(frame) if self.curve is not None else None
         reason = self._ping_refusal(h, who, r, None if (is_int(r) and 0 <= r < self.world and r != self.rank) else (
             f"the peer claims rank {r!r}, which is not another rank of the {self.world}-node ring"))
+        if reason is None:
+            reason = self._duplicate_claim(identity, r, h.get("inc"), self.identity_of.get(r))
+            if reason and r in self.identity_of:
+                # neither is accepted (their messages are held, then dropped): rank r counts as
+                # lost after peer_timeout and the ring goes on without it; before, the two
+                # displaced each other at every heartbeat, each time as a "restart" of rank r
+                self.identities.pop(self.identity_of.pop(r), None)
+                self.restart_seq[r] = self.neighbour_restarts
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})

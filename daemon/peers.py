@@ -219,10 +219,10 @@ class PeerNet:
         self._ready: deque[dict] = deque()
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
-        #: identity -> (last accepted-looking ping, incarnation) of connections claiming the left
-        #: neighbour's rank, and why they are refused while two are alive (_duplicate_claim)
-        self._claims: dict[bytes, tuple[float, str]] = {}
-        self.duplicate: str | None = None
+        #: rank -> identity -> (last accepted-looking ping, incarnation) of connections claiming
+        #: that rank, and per rank why they are refused while two are alive (_duplicate_claim)
+        self._claims: dict[int, dict[bytes, tuple[float, str]]] = {}
+        self.duplicates: dict[int, str] = {}
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         #: rank -> pings sent since its last pong or refusal, and the most kept queued (_count_ping)
         self._unanswered: dict[int, int] = {}
@@ -369,8 +369,8 @@ class PeerNet:
         text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
         if self.refused_by_right and self.right.rank in lost:
             text += f" [{self.refused_by_right}]"
-        if self.duplicate and self.left.rank in lost:
-            text += f" [{self.duplicate}]"
+        if self.left.rank in self.duplicates and self.left.rank in lost:
+            text += f" [{self.duplicates[self.left.rank]}]"
         return text
 
     def peer_states(self) -> list[dict[str, Any]]:
@@ -389,9 +389,9 @@ class PeerNet:
         if self.refused_by_right:
             out[self.right.rank]["state"] = "refused"
             out[self.right.rank]["reason"] = self.refused_by_right
-        if self.duplicate:
+        if self.left.rank in self.duplicates:
             out[self.left.rank]["state"] = "refused"
-            out[self.left.rank]["reason"] = self.duplicate
+            out[self.left.rank]["reason"] = self.duplicates[self.left.rank]
         return out
 
     def _handshaken(self, rank: int) -> bool:
@@ -688,36 +688,38 @@ class PeerNet:
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("dropped message %s (%d dropped so far)", why, self.dropped)
 
-    def _duplicate_claim(self, identity: bytes, rank: int, inc: Any) -> str | None:
+    def _duplicate_claim(self, identity: bytes, rank: int, inc: Any, current: bytes | None) -> str | None:
         """Why a ping that passed the checks is refused because two live daemons claim ``rank`` (a
-        --rank given twice, or one hosts-file line used by two machines), else None.
+        --rank given twice, or one hosts-file line used by two machines), else None. ``current`` is
+        the identity accepted for ``rank`` now (the left neighbour's, or in elastic mode that
+        rank's); on a refusal the caller accepts neither.
 
-        A restarted neighbour's new connection replaces the old one, which then falls silent. A
+        A restarted daemon's new connection replaces the old one, which then falls silent. A
         replaced connection that pings again means both daemons are alive: each would displace the
         other at every heartbeat (every round failing as "restarted"). Instead both are refused,
         naming the rank, until only one has pinged for peer_timeout."""
         now = time.monotonic()
-        claims = self._claims
+        claims = self._claims.setdefault(rank, {})
         claims[identity] = (now, str(inc))
         while len(claims) > 16:
             claims.pop(next(iter(claims)))
         live = {i: c for i, c in claims.items() if now - c[0] <= self.settings.peer_timeout}
-        if self.duplicate is None:
-            if (identity == self.left_identity or identity not in self._replaced or self.left_identity is None
-                    or self.left_identity not in live):
+        dup = self.duplicates.get(rank)
+        if dup is None:
+            if identity == current or identity not in self._replaced or current is None or current not in live:
                 return None
-            self.duplicate = (f"two daemons claim rank {rank} ({self.left.address}): incarnations "
-                              f"{live[self.left_identity][1]} and {inc}; each node needs its own hosts-file line "
-                              "and --rank (a configuration error: stop one of them)")
-            log.error("%s", self.duplicate)
-            self.left_identity = None  # neither is accepted: their messages are held, then dropped
+            dup = (f"two daemons claim rank {rank} ({self.peers[rank].address}): incarnations "
+                   f"{live[current][1]} and {inc}; each node needs its own hosts-file line "
+                   "and --rank (a configuration error: stop one of them)")
+            log.error("%s", dup)
+            self.duplicates[rank] = dup
             self.neighbour_restarts += 1
-            self.last_restart = self.duplicate
+            self.last_restart = dup
         elif len(live) < 2:
             log.info("only one daemon claims rank %d now", rank)
-            self.duplicate = None
+            del self.duplicates[rank]
             return None
-        return self.duplicate
+        return dup
 
     def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
         if "reason" in header:
@@ -762,7 +764,9 @@ class PeerNet:
             f"the peer claims rank {h.get('rank')!r}, but rank {self.rank}'s left neighbour is "
             f"rank {expected} ({self.left.address}); check the order of the hosts files"))
         if reason is None:
-            reason = self._duplicate_claim(identity, expected, h.get("inc"))
+            reason = self._duplicate_claim(identity, expected, h.get("inc"), self.left_identity)
+            if reason:
+                self.left_identity = None  # neither is accepted: their messages are held, then dropped
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})

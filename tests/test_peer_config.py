@@ -3,6 +3,7 @@ each fails with a configuration error naming the setting, the ranks and the fix.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -73,6 +74,27 @@ def test_peer_is_connected_only_after_a_handshake(tmp_path):
         cl.stop()
 
 
+def _second_rank0(cl: LocalCluster, tmp_path, extra: list[str]) -> subprocess.Popen:
+    """Another daemon with --rank 0, on 127.0.0.2 and the same port (its own hosts file)."""
+    lines = cl.hosts.read_text().splitlines()[1:]
+    hosts2 = tmp_path / "hosts2"
+    hosts2.write_text(lines[0].replace("127.0.0.1", "127.0.0.2") + "\n" + "".join(x + "\n" for x in lines[1:]))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open(tmp_path / "other.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "birdnet.daemon.main", "--peers", str(hosts2), "--rank", "0",
+                                 "--socket", str(tmp_path / "other.sock"), "--peer-timeout", str(cl.peer_timeout),
+                                 "--heartbeat-interval", str(cl.heartbeat_interval), *extra],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_for_log(cl: LocalCluster, node: int, start: int, text: str, other: subprocess.Popen, tmp_path) -> None:
+    deadline = time.monotonic() + 30  # the second daemon starts slowly on a loaded machine
+    while text not in cl.log(node)[start:]:
+        assert other.poll() is None, (tmp_path / "other.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, cl.log(node)[start:][-3000:]
+        time.sleep(0.2)
+
+
 def test_two_daemons_with_one_rank_are_refused_by_name(tmp_path):
     """A second daemon started with --rank 0 (here on 127.0.0.2, the same port) made node 1 take
     whichever of the two pinged last as its left neighbour, at every heartbeat: every round failed
@@ -81,21 +103,9 @@ def test_two_daemons_with_one_rank_are_refused_by_name(tmp_path):
     cl.start()
     other = None
     try:
-        lines = cl.hosts.read_text().splitlines()[1:]
-        hosts2 = tmp_path / "hosts2"
-        hosts2.write_text(lines[0].replace("127.0.0.1", "127.0.0.2") + "\n" + lines[1] + "\n")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        with open(tmp_path / "other.log", "wb") as log:
-            other = subprocess.Popen([sys.executable, "-m", "birdnet.daemon.main", "--peers", str(hosts2), "--rank", "0",
-                                      "--socket", str(tmp_path / "other.sock"), "--peer-timeout", str(cl.peer_timeout),
-                                      "--heartbeat-interval", str(cl.heartbeat_interval)],
-                                     stdout=log, stderr=subprocess.STDOUT, env=env)
+        other = _second_rank0(cl, tmp_path, [])
         start = len(cl.log(1))
-        deadline = time.monotonic() + 30  # the second daemon starts slowly on a loaded machine
-        while "two daemons claim rank 0" not in cl.log(1)[start:]:
-            assert other.poll() is None, (tmp_path / "other.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, cl.log(1)[start:][-3000:]
-            time.sleep(0.2)
+        _wait_for_log(cl, 1, start, "two daemons claim rank 0", other, tmp_path)
         time.sleep(2.0)  # 8 heartbeats: the two would each have taken the rank again by now
         log1 = cl.log(1)[start:]
         assert _peer_lines(log1, 0) <= 2, log1[-3000:]  # no flapping
@@ -109,6 +119,53 @@ def test_two_daemons_with_one_rank_are_refused_by_name(tmp_path):
         time.sleep(cl.peer_timeout + 1.0)
         res = cl.run(fault_workers.try_round, 1000, 20.0)
         assert [r[:2] for r in res] == [("ok", 3.0)] * 2, res
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait(5)
+        cl.stop()
+
+
+def test_two_daemons_with_one_rank_are_refused_by_name_in_elastic_mode(tmp_path):
+    """The same in elastic mode, where every node pings every other: nodes 1 and 2 took whichever
+    rank-0 daemon pinged last, at every heartbeat, each time as a restart of rank 0 (a log line per
+    heartbeat, every round on a ring with rank 0 failing as "restarted"). Now both are refused by
+    name, rank 0 counts as lost and the ring goes on without it; once one of them stops, rank 0 is
+    taken back and rounds include it again."""
+    import fault_workers
+    cl = LocalCluster(3, tmp_path, extra=["--elastic", "--round-timeout", "20"])
+    cl.start()
+    other = None
+    try:
+        other = _second_rank0(cl, tmp_path, ["--elastic", "--round-timeout", "20"])
+        starts = [len(cl.log(i)) for i in range(3)]
+        for i in (1, 2):
+            _wait_for_log(cl, i, starts[i], "two daemons claim rank 0", other, tmp_path)
+        time.sleep(2.0)  # 8 heartbeats: the two would each have taken the rank again by now
+        for i in (1, 2):
+            log_i = cl.log(i)[starts[i]:]
+            connects = re.findall(r"rank 0 \([^)]*\) connected", log_i)
+            assert len(connects) <= 2, log_i[-3000:]  # no flapping: no new connection per heartbeat
+            with Client(cl.sockets[i], job="probe") as c:
+                row = c.status()["peers"][0]
+            assert row["state"] == "refused" and "two daemons claim rank 0" in row["reason"], (i, row)
+        # rank 0 is lost for nodes 1 and 2 after peer_timeout: a 2-node ring of the 3 (a majority) works
+        time.sleep(cl.peer_timeout + 1.0)
+        res = cl.run(fault_workers.try_round, 1000, 20.0, nodes=[1, 2])
+        assert [r[0] for r in res] == ["ok", "ok"] and res[0][1] == res[1][1], res
+        other.terminate()
+        other.wait(15)
+        other = None
+        time.sleep(cl.peer_timeout + 1.0)
+        for i in (1, 2):
+            assert "only one daemon claims rank 0 now" in cl.log(i)[starts[i]:], cl.log(i)[-3000:]
+        # node 0's process waits first, so the leader admits it (tests/test_elastic.py: a node
+        # comes back into the ring at a round its process is waiting for)
+        back = cl.run_async(fault_workers.try_round, 1000, 20.0, nodes=[0])
+        time.sleep(1.5)
+        rest = cl.run_async(fault_workers.try_round, 1000, 20.0, nodes=[1, 2])
+        res = back.get(40) + rest.get(40)
+        assert [r[:2] for r in res] == [("ok", 6.0)] * 3, res
     finally:
         if other is not None:
             other.kill()
