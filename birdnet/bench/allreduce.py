@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from birdnet.bench.cluster import rank_results
 from birdnet.bench.specs import label, parse_codecs
 
 
@@ -204,7 +204,7 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup, loop_calls, loop_
     ``cpu`` per call summed over ranks, and the loop's ``loop_times`` (per call, the slowest rank's
     time from its previous result), ``loop`` their median and ``loop_cpu`` per call summed over ranks."""
     port = 29900 + os.getpid() % 50
-    procs = []
+    cmds = []
     for r in range(len(addresses)):
         cmd = [*cluster_prefixes[r], sys.executable, "-m", "birdnet.bench.gloo_worker", "--rank", str(r),
                "--world", str(len(addresses)), "--master", f"{addresses[0]}:{port}", "--sizes",
@@ -212,19 +212,8 @@ def run_gloo(cluster_prefixes, addresses, sizes, runs, warmup, loop_calls, loop_
                "--loop-calls", str(loop_calls), "--loop-warmup", str(loop_warmup)]
         if cluster_prefixes[r]:
             cmd += ["--iface", "eth0"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=1800)
-            if p.returncode != 0:
-                raise RuntimeError(f"gloo rank failed: {e[-2000:]}")
-            outs.append(json.loads(o.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        cmds.append(cmd)
+    outs = rank_results(cmds, 1800, "gloo")
     res = {}
     for n in sizes:
         k = str(n)

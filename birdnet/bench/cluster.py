@@ -3,6 +3,7 @@
 Used by ``birdnet demo``, the benchmarks and the tests."""
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -28,6 +29,27 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def rank_results(cmds: list[list[str]], timeout: float, what: str) -> list[dict]:
+    """Start one process per command (a rank of a torch.distributed run) and return, in order, the
+    JSON object each prints as its last line; a rank that fails or outlives ``timeout`` seconds
+    raises (RuntimeError naming ``what``, or subprocess.TimeoutExpired) and every rank still
+    running is killed."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    outs = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"{what}: a rank failed: {e[-3000:]}")
+            outs.append(json.loads(o.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
 
 
 class LocalCluster:

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from birdnet.bench.cluster import rank_results
+
 CONFIGS = ("gloo", "powersgd", "fp16", "birdnet", "hook", "optimizer")
 
 
@@ -116,7 +118,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
 # -- the driver -----------------------------------------------------------------------------------
 def run_config(a, cfg: str, prefixes, addresses, sockets, k: int) -> list[dict[str, Any]]:
     port = 29500 + (os.getpid() + k) % 400
-    procs = []
+    cmds = []
     for r in range(a.nodes):
         cmd = [*prefixes[r], sys.executable, "-m", "birdnet.bench.ddp", "--worker", "--config", cfg,
                "--rank", str(r), "--world", str(a.nodes), "--master", f"{addresses[0]}:{port}",
@@ -125,19 +127,8 @@ def run_config(a, cfg: str, prefixes, addresses, sockets, k: int) -> list[dict[s
                "--codec", a.codec, "--powersgd-rank", str(a.powersgd_rank)]
         if prefixes[r]:
             cmd += ["--iface", "eth0"]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=a.config_timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"{cfg}: a rank failed: {e[-3000:]}")
-            outs.append(json.loads(o.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        cmds.append(cmd)
+    outs = rank_results(cmds, a.config_timeout, cfg)
     return sorted(outs, key=lambda o: o["rank"])
 
 

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
         return _torch_main(a, argv)
     a.lr = 0.05 if a.lr is None else a.lr
     a.batch = 32 if a.batch is None else a.batch
-    from birdnet.bench.cluster import LocalCluster
     from birdnet.bench.specs import label, parse_codecs
     from birdnet.bench.trainlib import load, one_thread_per_worker, train_worker
 
@@ -62,36 +61,20 @@ def main(argv: list[str] | None = None) -> int:
 
     codecs = parse_codecs(a.codecs)
     seeds = [int(s) for s in a.seeds.split(",")]
-    runs: list[dict[str, Any]] = []
     t_all = time.monotonic()
-    total = len(codecs) * len(seeds)
-    with tempfile.TemporaryDirectory(prefix="birdnet-train-") as tmp:
-        cl = LocalCluster(a.nodes, Path(tmp), peer_timeout=60.0, heartbeat_interval=1.0)
-        try:
-            with cl:
-                k = 0
-                data = {seed: load(a.data, seed) for seed in seeds}  # generated once, shared by the workers
-                for name, params in codecs:
-                    for seed in seeds:
-                        k += 1
-                        print(f"[{k}/{total}] {label(name, params)} seed {seed} ...", end="", file=sys.stderr, flush=True)
-                        cfg = {"data": a.data, "seed": seed, "epochs": a.epochs, "lr": a.lr, "momentum": a.momentum,
-                               "batch": a.batch, "hidden": tuple(int(h) for h in a.hidden.split(",")),
-                               "codec": None if name == "none" else name, "params": params,
-                               "job": f"train-{k}", "arrays": data[seed]}
-                        t0 = time.monotonic()
-                        res = cl.run(train_worker, cfg, timeout=7200)
-                        same = len({r["params_digest"] for r in res}) == 1
-                        r0 = res[0]
-                        runs.append({"codec": label(name, params), "seed": seed, "acc": r0["acc"], "loss": r0["loss"],
-                                     "bytes_sent": r0["bytes_sent"], "seconds": time.monotonic() - t0,
-                                     "comm_seconds": r0["comm_seconds"], "history": r0["history"],
-                                     "identical_on_all_nodes": same})
-                        print(f" accuracy {r0['acc']:.4f}, {r0['bytes_sent'] / 1e6:.1f} MB/worker, "
-                              f"{time.monotonic() - t0:.0f} s{'' if same else ', NODES DIFFER'}", file=sys.stderr)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
+    data = {seed: load(a.data, seed) for seed in seeds}  # generated once, shared by the workers
+
+    def config(name: str, params: dict[str, Any], seed: int, job: str) -> dict[str, Any]:
+        return {"data": a.data, "seed": seed, "epochs": a.epochs, "lr": a.lr, "momentum": a.momentum,
+                "batch": a.batch, "hidden": tuple(int(h) for h in a.hidden.split(",")),
+                "codec": None if name == "none" else name, "params": params, "job": job, "arrays": data[seed]}
+
+    runs = _run_all(a.nodes, codecs, seeds, train_worker, config,
+                    lambda r0: {"acc": r0["acc"], "loss": r0["loss"], "bytes_sent": r0["bytes_sent"],
+                                "comm_seconds": r0["comm_seconds"], "history": r0["history"]},
+                    lambda r0: f"accuracy {r0['acc']:.4f}, {r0['bytes_sent'] / 1e6:.1f} MB/worker")
+    if runs is None:
+        return 130
     meta = {"nodes": a.nodes, "data": a.data, "epochs": a.epochs, "lr": a.lr, "momentum": a.momentum,
             "batch": a.batch, "hidden": a.hidden, "seeds": seeds, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
             "command": "birdnet bench train " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -113,16 +96,53 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s['codec']:<44} {s['acc_mean'] * 100:>8.2f} +-{s['acc_spread'] * 100:>5.2f}% {s['loss_mean']:>7.3f} "
               f"{s['mb_sent_per_worker']:>10.1f} {s['seconds_mean']:>7.0f}  {[round(x * 100, 1) for x in s['accs']]}"
               f"{'' if s['identical_on_all_nodes'] else '  NODES DIFFER'}")
+    _save(a, meta, summary, runs, _plot)
+    return 0
+
+
+def _run_all(nodes: int, codecs, seeds: list[int], worker, config, fields, progress) -> list[dict[str, Any]] | None:
+    """Every codec at every seed, one after another, on one local cluster of ``nodes`` daemons:
+    ``config(name, params, seed, job)`` is the workers' configuration, ``fields(r0)`` what a run
+    keeps of rank 0's result, ``progress(r0)`` what the progress line says of it. A run records
+    whether every node ended with the same parameters. None when interrupted (Ctrl-C)."""
+    from birdnet.bench.cluster import LocalCluster
+    from birdnet.bench.specs import label
+
+    runs: list[dict[str, Any]] = []
+    total = len(codecs) * len(seeds)
+    with tempfile.TemporaryDirectory(prefix="birdnet-train-") as tmp:
+        cl = LocalCluster(nodes, Path(tmp), peer_timeout=60.0, heartbeat_interval=1.0)
+        try:
+            with cl:
+                k = 0
+                for name, params in codecs:
+                    for seed in seeds:
+                        k += 1
+                        print(f"[{k}/{total}] {label(name, params)} seed {seed} ...", end="", file=sys.stderr, flush=True)
+                        cfg = config(name, params, seed, f"train-{k}")
+                        t0 = time.monotonic()
+                        res = cl.run(worker, cfg, timeout=7200)
+                        seconds = time.monotonic() - t0
+                        same = len({r["params_digest"] for r in res}) == 1
+                        runs.append({"codec": label(name, params), "seed": seed, **fields(res[0]), "seconds": seconds,
+                                     "identical_on_all_nodes": same})
+                        print(f" {progress(res[0])}, {seconds:.0f} s{'' if same else ', NODES DIFFER'}", file=sys.stderr)
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return None
+    return runs
+
+
+def _save(a, meta: dict[str, Any], summary: list[dict[str, Any]], runs: list[dict[str, Any]], plot) -> None:
+    """--json FILE: everything (histories included); --plot PREFIX: ``plot(runs, PREFIX, meta)``."""
     if a.json:
         Path(a.json).write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
     if a.plot:
-        _plot(runs, a.plot, meta)
-    return 0
+        plot(runs, a.plot, meta)
 
 
 def _torch_main(a, argv) -> int:
     """--task cnn / lm: every codec at the same steps and seeds through the PyTorch adapter."""
-    from birdnet.bench.cluster import LocalCluster
     from birdnet.bench.specs import label, parse_codecs
     from birdnet.bench.torchtasks import make_task, train_worker
     from birdnet.bench.trainlib import one_thread_per_worker
@@ -133,34 +153,19 @@ def _torch_main(a, argv) -> int:
     adapter = json.loads(a.adapter)
     task = make_task(a.task, seeds[0], batch_per_rank=a.batch)
     steps, lr = a.steps or task.steps, a.lr or task.lr
-    runs: list[dict[str, Any]] = []
     t_all = time.monotonic()
-    total = len(codecs) * len(seeds)
-    with tempfile.TemporaryDirectory(prefix="birdnet-train-") as tmp:
-        cl = LocalCluster(a.nodes, Path(tmp), peer_timeout=60.0, heartbeat_interval=1.0)
-        try:
-            with cl:
-                k = 0
-                for name, params in codecs:
-                    for seed in seeds:
-                        k += 1
-                        print(f"[{k}/{total}] {label(name, params)} seed {seed} ...", end="", file=sys.stderr, flush=True)
-                        cfg = {"task": a.task, "seed": seed, "steps": steps, "lr": lr, "batch_per_rank": a.batch,
-                               "codec": None if name == "none" else name, "params": params, "adapter": adapter,
-                               "eval_every": a.eval_every, "restore_at": a.restore_at, "job": f"train-{k}"}
-                        t0 = time.monotonic()
-                        res = cl.run(train_worker, cfg, timeout=7200)
-                        same = len({r["params_digest"] for r in res}) == 1
-                        r0 = res[0]
-                        runs.append({"codec": label(name, params), "seed": seed, **r0["final"],
-                                     "bytes_sent": r0["bytes_sent"], "warmup_steps": r0["warmup_steps"],
-                                     "warmup_bytes": r0["warmup_bytes"], "seconds": time.monotonic() - t0,
-                                     "history": r0["history"], "identical_on_all_nodes": same})
-                        print(f" {task.metric} {r0['final'][task.metric]:.4f}, {r0['bytes_sent'] / 1e6:.2f} MB/worker, "
-                              f"{time.monotonic() - t0:.0f} s{'' if same else ', NODES DIFFER'}", file=sys.stderr)
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
+
+    def config(name: str, params: dict[str, Any], seed: int, job: str) -> dict[str, Any]:
+        return {"task": a.task, "seed": seed, "steps": steps, "lr": lr, "batch_per_rank": a.batch,
+                "codec": None if name == "none" else name, "params": params, "adapter": adapter,
+                "eval_every": a.eval_every, "restore_at": a.restore_at, "job": job}
+
+    runs = _run_all(a.nodes, codecs, seeds, train_worker, config,
+                    lambda r0: {**r0["final"], "bytes_sent": r0["bytes_sent"], "warmup_steps": r0["warmup_steps"],
+                                "warmup_bytes": r0["warmup_bytes"], "history": r0["history"]},
+                    lambda r0: f"{task.metric} {r0['final'][task.metric]:.4f}, {r0['bytes_sent'] / 1e6:.2f} MB/worker")
+    if runs is None:
+        return 130
     meta = {"task": a.task, "nodes": a.nodes, "steps": steps, "lr": lr, "batch": task.batch_per_rank,
             "adapter": adapter, "restore_at": a.restore_at, "seeds": seeds, "metric": task.metric,
             "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
@@ -197,10 +202,7 @@ def _torch_main(a, argv) -> int:
         print(f"{s['codec']:<36} {m:>9.3f} +-{sp:>5.3f} {rel:>9} {s['mb_sent_per_worker']:>10.2f} {whole:>8} "
               f"{s['warmup_steps']:>8.0f} {after:>13} {s['seconds_mean']:>7.0f}  {per_seed}"
               f"{'' if s['identical_on_all_nodes'] else '  NODES DIFFER'}")
-    if a.json:
-        Path(a.json).write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1))
-    if a.plot:
-        _plot_torch(runs, a.plot, meta)
+    _save(a, meta, summary, runs, _plot_torch)
     return 0
 
 
