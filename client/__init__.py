@@ -37,8 +37,11 @@ from birdnet.errors import BirdnetError, DaemonUnavailableError, InputError, fro
 
 __all__ = ["Client", "Handle", "BirdnetError"]
 
-#: how long to wait for the daemon to answer ``hello`` before saying it is not running
-CONNECT_TIMEOUT = 1.0
+#: how long to wait for the daemon to answer ``hello`` before saying it is not running. A missing
+#: socket fails at once (check_access); one that exists belongs to a daemon that may be busy for
+#: a moment (loading a codec's kernels, a loaded board), which at 1 s failed a second job's
+#: processes joining while a first job ran its first compressed round
+CONNECT_TIMEOUT = 5.0
 #: after the daemon went away, how long the next call waits for a restarted daemon to answer
 RECONNECT_TIMEOUT = 10.0
 #: how long ``close()`` waits for the daemon to confirm that it ended the session
