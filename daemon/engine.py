@@ -2,14 +2,16 @@
 
 Size (over 1,000 lines): the round runner, the codec-state store and the ring worker's agreement,
 batches, aborts and dense lane are here together because the worker's parts share its round table
-(ready, order, aborted, lane) and run on its one thread. The planned split (issue 23) is a round
-object and a membership strategy shared with elastic mode, which would move the agreement out.
+(ready, order, aborted, lane) and run on its one thread. One RingWorker runs both rings: who is in a
+round, who leads, what travels on start / go, liveness and joins are its membership
+(daemon/membership.py: FixedRing; daemon/elastic.py: ElasticRing). The next split (issue 23) is a
+round object with its control messages dispatched by type.
 
 Rounds reach it from the service thread once every local process of the job has submitted
-(:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0): it sends a
-``start`` naming the round; each node appends its description once its own processes are ready and
-passes it on; when the start is back, the leader compares the descriptions and sends ``go`` with its
-verdict. Every node therefore runs the same rounds in the same order, and a disagreement (shape,
+(:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0 on the fixed
+ring): it sends a ``start`` naming the round; each node appends its description once its own
+processes are ready and passes it on; when the start is back, the leader compares the descriptions
+and sends ``go`` with its verdict. Every node therefore runs the same rounds in the same order, and a disagreement (shape,
 codec, a process that never came) fails the round everywhere with one message instead of hanging.
 
 The dense lane. The agreement costs two trips round the ring before any data moves (3-5 ms on
@@ -44,7 +46,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
-from birdnet.daemon.peers import LaneGivenUp, RoundAborted, RoundTransport
+from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundAborted, RoundRetry, check_descs
+from birdnet.daemon.peers import RoundTransport
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import begin_round, commit_round, pack_buffers
@@ -416,12 +419,19 @@ class RoundRunner:
 
 
 class RingWorker(threading.Thread):
-    """Owns the :class:`~birdnet.daemon.peers.PeerNet` (or runs alone in a one-node ring)."""
+    """Owns the :class:`~birdnet.daemon.peers.PeerNet` (or runs alone in a one-node ring). One
+    engine for both rings: who is in a round, who leads and what travels on start / go is the
+    net's ``membership`` (daemon/membership.py: FixedRing, or elastic.py's ElasticRing)."""
 
     def __init__(self, settings: Settings, rank: int, world: int, net, runner: RoundRunner,
                  done: Callable[[LocalRound], None]) -> None:
         super().__init__(name="birdnet-ring", daemon=True)
         self.settings, self.rank, self.world, self.net = settings, rank, world, net
+        membership = getattr(net, "membership", None)
+        if membership is None:  # a one-node ring, or a test's stand-in net
+            membership = FixedRing(settings, rank, world)
+            membership.bind(net)
+        self.membership = membership
         self.runner, self.done = runner, done
         self.inbox: queue.Queue[LocalRound | None] = queue.Queue()
         self.ready: dict[str, LocalRound] = {}
@@ -446,7 +456,7 @@ class RingWorker(threading.Thread):
         #: (job, seq) of the round that may start here without an agreement (the module docstring)
         self.lane: tuple[str, int] | None = None
         self.lane_since = 0  #: net.neighbour_restarts when the lane opened: a restart closes it
-        self.lane_allowed = settings.dense_lane and not settings.elastic and world > 1
+        self.lane_allowed = membership.lane_allowed()
         self.lane_rounds = 0  #: rounds run in the lane
         self.lanes_given_up = 0  #: lane rounds given up here because the leader closed the lane
         self.lane_running: str | None = None  #: the lane round in its data phase here
@@ -464,6 +474,10 @@ class RingWorker(threading.Thread):
             self.net.stopping = True  # a round in its data phase stops waiting for the ring
         self.inbox.put(None)
 
+    def status(self) -> dict[str, Any] | None:
+        """The membership's part of ``birdnet status`` (elastic mode's epoch, members, leader)."""
+        return self.membership.status()
+
     def _take_inbox(self, timeout: float = 0.0) -> None:
         while self.restarted_jobs:
             self._forget_job(self.restarted_jobs.pop(0))
@@ -471,7 +485,10 @@ class RingWorker(threading.Thread):
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
+        offsets = self.membership.offsets
         while True:
+            if item is not None:
+                item.seq += offsets.get(item.job, 0)  # this node's call numbering -> the cluster's
             if item is not None and item.key in self.ready:
                 # The service refuses a call number used twice; should one get here anyway, the
                 # round already held must not be overwritten (its key twice in order: KeyError).
@@ -497,6 +514,7 @@ class RingWorker(threading.Thread):
             del self.aborted[k]
         if self.lane is not None and self.lane[0] == job:
             self._close_lane()  # its numbering starts again: the leader agrees its next round
+        self.membership.forget_job(job)
 
     def _tombstone(self, key: str) -> Tombstone | None:
         t = self.aborted.get(key)
@@ -511,15 +529,15 @@ class RingWorker(threading.Thread):
         while len(self.aborted) > 4096:
             self.aborted.pop(next(iter(self.aborted)))
 
-    def _departed_before(self, key: str, offsets: dict[str, int] | None = None) -> str | None:
+    def _departed_before(self, key: str) -> str | None:
         """Why this node's processes of round ``key``'s job can never submit it (they left before
-        that call), else None. ``offsets``: per job, the cluster's call number minus this node's
-        (elastic mode)."""
+        that call), else None. Call numbers are the cluster's: the membership's offsets (an elastic
+        joiner's) say how far they are from this node's."""
         parsed = split_key(key)
         gone = self.departed.get(parsed[0]) if parsed is not None else None
         if gone is None:
             return None
-        return gone[0] if parsed[1] - (offsets or {}).get(parsed[0], 0) >= gone[1] else None
+        return gone[0] if parsed[1] - self.membership.offsets.get(parsed[0], 0) >= gone[1] else None
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
@@ -757,21 +775,14 @@ class RingWorker(threading.Thread):
         self._finish(rnd)
 
     def _run_ring(self) -> None:
-        net = self.net
+        net, m = self.net, self.membership
         while not self.stopping:
             self._take_inbox()
-            lost = net.lost()
-            # Rounds cannot run while a peer is lost: fail them now, naming the peer.
-            if lost:
-                self._close_lane()  # every node learns of the loss; rounds start with an agreement after it
-                for key in list(self.order):
-                    rnd = self.ready[key]
-                    self._fail_alone(rnd, PeerLostError(
-                        f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
-                        f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
-            if self.lane is not None and not lost and self._lane_step():
+            live = m.check_liveness(self)  # fails what cannot run (a lost peer, no majority)
+            if self.lane is not None and live and self._lane_step():
                 continue
-            if self.rank == 0 and self.order and not lost:
+            leader = m.leader(live)
+            if leader == self.rank and self.order and live and m.may_lead():
                 if self.lane is not None:
                     # something other than the lane's round is next: close the lane ahead of the start
                     self._leader_close(round_key(*self.lane))
@@ -783,21 +794,24 @@ class RingWorker(threading.Thread):
                     if rnd.key in self.ready:
                         self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
                 continue
-            if self.rank != 0:
+            if leader != self.rank:
                 self._expire_unstarted()
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
-            if msg is not None and msg["h"].get("t") == "abort":
-                self._on_abort_elsewhere(Abort.from_header(msg["h"]))
+            h = msg["h"] if msg is not None else {}
+            if h.get("t") == "abort":
+                self._on_abort_elsewhere(Abort.from_header(h))
             # Only followers act on a start; the leader's own starts come back inside _lead.
-            if msg is not None and msg["h"].get("t") == "start" and self.rank != 0:
-                self._follow_guarded(self._follow, msg["h"], msg["h"].get("k"))
+            if h.get("t") == "start" and m.follows(h):
+                self._follow_guarded(self._follow, msg, h.get("k"))
+            elif leader is not None and leader != self.rank and self.order:
+                m.waiting_for_start(self, leader)
 
-    def _follow_guarded(self, follow: Callable[[Any], None], arg: Any, key: Any) -> None:
+    def _follow_guarded(self, follow: Callable[[Any], None], msg: Any, key: Any) -> None:
         """A follower's part of round ``key``; whatever goes wrong in it fails that round here only
         (e.g. the right neighbour is not connected), never the ring thread."""
         try:
-            follow(arg)
+            follow(msg["h"], msg.get("from"))
         except Exception as exc:  # noqa: BLE001
             if not isinstance(exc, BirdnetError):
                 log.exception("round %r failed inside a follower", key)
@@ -815,20 +829,20 @@ class RingWorker(threading.Thread):
             rnd = self.ready[key]
             if now - rnd.ready_at > limit:
                 self._finish(rnd, RoundTimeoutError(
-                    f"round {key} for tensor {rnd.desc.get('name')!r} was never started by the leader (rank 0) "
+                    f"round {key} for tensor {rnd.desc.get('name')!r} was never started by the leader "
                     f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
                     "node did not submit it"))
 
-    def _wait_message(self, want: str, key: str, deadline: float, since: int) -> dict:
-        """Wait for a control message ``want`` of round ``key`` from the left neighbour; ``since``
-        is net.neighbour_restarts when the round's agreement began here."""
+    def _wait_control(self, want: str, key: str, deadline: float, ring: Any, since: int) -> dict:
+        """Wait for a control message ``want`` of round ``key`` from the member before this node on
+        ``ring`` (the round's neighbours); ``since`` is net.neighbour_restarts when the round's
+        agreement began here."""
         net = self.net
         while True:
             self._take_inbox()
-            lost = net.lost()
-            if lost:
-                raise PeerLostError(f"lost peer {net.describe_lost(lost)} while round {key} was starting")
-            self._check_restarts(key, since)
+            why = ring.gone(net, since)
+            if why:
+                raise PeerLostError(f"{why} while round {key} was starting")
             if self.stopping:
                 raise ShutdownError("the daemon is shutting down")
             if time.monotonic() > deadline:
@@ -836,35 +850,43 @@ class RingWorker(threading.Thread):
                                         f"round_timeout={self.settings.round_timeout} s")
             # The message waited for may be among lost ones. Checked before the poll, so a message
             # the poll returns (a start of another round, say) is handled before the round fails.
-            gap = net.take_gap()
-            if gap:
-                raise PeerLostError(f"round {key} could not start: {gap}")
+            err = ring.gap_error(net, key, want)
+            if err is not None:
+                raise err
             msg = net.poll(0.05)
-            if msg is None:
+            if msg is None or not ring.accepts(msg):
                 continue
             h = msg["h"]
             a = Abort.from_header(h) if h.get("t") == "abort" else None
             if a is not None and a.key == key:
+                if a.retry:
+                    raise RoundRetry(a.reason)
                 raise RoundAborted.of(a)
+            if not ring.from_left(msg):
+                continue
             if h.get("t") == want and h.get("k") == key:
+                err = ring.gap_error(net, key, want)  # what was lost may have been this round's
+                if err is not None:
+                    raise err
                 return h
             if a is not None and a.origin is not None:
                 self._on_abort_elsewhere(a)  # another round
                 continue
-            if h.get("t") == "start" and want == "go" and self.rank != 0:
-                self.pending_start = msg
-                raise RoundTimeoutError(f"round {key} was abandoned by the leader")
+            if h.get("t") == "start" and want == "go" and self.membership.follows(h):
+                self.pending_start = msg  # the leader moved on (or started again)
+                raise self.membership.on_new_start(key)
             # anything else is stale (an earlier, failed round)
 
-    def _abort(self, key: str, reason: str, origin: int | None = None, cls: str | None = None) -> None:
-        """Tell the ring round ``key`` failed. Every abort names its origin (default: this node) and
-        travels until it is next to it, through nodes that are not (or no longer) in the round too,
-        so a node that has not reached the round yet learns of it (RingWorker.aborted)."""
-        origin = self.rank if origin is None else origin
-        if (self.rank + 1) % self.world == origin:
-            return
+    def _abort(self, key: str, reason: str, origin: int | None = None, cls: str | None = None, *,
+               retry: bool = False) -> None:
+        """Tell the ring round ``key`` failed. On the fixed ring every abort names its origin
+        (default: this node) and travels until it is next to it, through nodes that are not (or no
+        longer) in the round too, so a node that has not reached the round yet learns of it
+        (RingWorker.aborted); an elastic abort travels the round's ring (``retry``: start the round
+        again on the re-formed ring). The membership says which."""
+        m = self.membership
         try:
-            self.net.send(Abort(key, reason, origin, cls).header())
+            m.send_abort(m.abort_of(key, reason, origin, cls, retry))
         except Exception:  # noqa: BLE001
             pass
 
@@ -883,49 +905,60 @@ class RingWorker(threading.Thread):
             cls = None if isinstance(exc, (PeerLostError, ShutdownError)) else type(exc).__name__
             self._abort(key, f"rank {self.rank}: {exc}", cls=cls)
 
-    def _check_restarts(self, key: str, since: int) -> None:
-        restarted = self.net.restarted_since(since)
-        if restarted:
-            raise PeerLostError(f"round {key} cannot complete: {restarted} during it")
-
     def _lead(self, rnd: LocalRound) -> None:
         """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
         that are ready here; each follower keeps the prefix of them that is ready on its node too, so
-        a training step's many tensors cost one agreement instead of one each."""
+        a training step's many tensors cost one agreement instead of one each. The membership
+        proposes the ring (and what its start and go carry)."""
+        m, net = self.membership, self.net
+        ring = m.propose(self)
+        if ring is None:
+            # not enough nodes want to take part yet (elastic: restarted without their processes)
+            self._expire_unstarted()
+            net.poll(0.05)
+            return
         key = rnd.key
         deadline = rnd.ready_at + self.settings.round_timeout
-        since = self.net.neighbour_restarts
+        since = net.neighbour_restarts
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
+        lane = None
         try:
-            self.net.send({"t": "start", "k": key, "descs": [[0, self._own_desc(rnd)]],
-                           "more": [[k, [[0, self._own_desc(self.ready[k])]]] for k in extras]})
-            h = self._wait_message("start", key, deadline, since)
-            verdicts = self._verdicts_of_start(h, key, extras, self._check_descs)
-            go = {"t": "go", **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
+            ring.send(net, {"t": "start", "k": key, **ring.fields, "descs": [[self.rank, self._own_desc(rnd)]],
+                            "more": [[k, [[self.rank, self._own_desc(self.ready[k])]]] for k in extras]})
+            h = self._wait_control("start", key, deadline, ring, since)
+            verdicts = self._verdicts_of_start(h, key, extras, ring)
+            go = {"t": "go", **ring.fields, **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
             lane = self._grant(verdicts)
             if lane is not None:
                 go["lane"] = lane
                 self._expect_lane(lane[0], lane[1])
-            self.net.send(go)
-        except BirdnetError as exc:
+            ring.send(net, go)
+        except (BirdnetError, RoundRetry) as exc:
+            if m.retries(exc):
+                # a member of the proposed ring is gone: start the round again once the ring re-forms
+                log.info("round %s: agreement on ring %s abandoned (%s); it will start again", key,
+                         list(ring.members), exc)
+                self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+                net.poll(0.1)
+                return
             self._close_lane()
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        self._granted(self._run_batch(verdicts, since), lane)
+        m.applied(self, ring, None)
+        self._granted(self._run_batch(verdicts, since, ring), lane)
 
-    def _verdicts_of_start(self, h: dict[str, Any], key: str, extras: list[str],
-                           check: Callable[[Any, str], list[tuple[int, dict[str, Any]]]]) -> list[Verdict]:
-        """The leader's verdicts on the rounds of its ``start`` ``h`` that came back round the ring:
-        round ``key`` and the prefix of ``extras`` the followers kept; ``check`` validates each
-        round's descriptions (one per node, in the order of the ring)."""
-        verdicts = [self._verdict(key, check(h.get("descs"), key))]
+    def _verdicts_of_start(self, h: dict[str, Any], key: str, extras: list[str], ring: Any) -> list[Verdict]:
+        """The leader's verdicts on the rounds of its ``start`` ``h`` that came back round ``ring``:
+        round ``key`` and the prefix of ``extras`` the followers kept (each round's descriptions
+        checked: one per member, in the order of the ring)."""
+        verdicts = [self._verdict(key, check_descs(h.get("descs"), key, ring))]
         more = h.get("more") if isinstance(h.get("more"), list) else []
         for item in more:
             if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
                     or item[0] not in self.ready or item[0] not in extras):
                 raise ProtocolError(f"round {key}: malformed batch in the start message")
-            verdicts.append(self._verdict(item[0], check(item[1], item[0])))
+            verdicts.append(self._verdict(item[0], check_descs(item[1], item[0], ring)))
         return verdicts
 
     def _verdict(self, key: str, descs: list[tuple[int, dict[str, Any]]]) -> Verdict:
@@ -936,17 +969,10 @@ class RingWorker(threading.Thread):
             raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
         return Verdict(key, problem is None, problem, error_class(descs), tuple(counts))
 
-    def _round_transport(self, key: str, since: int):
-        """The transport of agreed round ``key`` (the ring's membership decides who the neighbours are)."""
-        return RoundTransport(self.net, key, since)
-
-    def _note_contributors(self, rnd: LocalRound, counts: list[int]) -> None:
-        """Stats a round's reply carries about who took part (elastic mode names the members)."""
-
-    def _run_batch(self, verdicts: list[Verdict], since: int) -> bool:
-        """Run the agreed rounds in order. Once one fails in its data phase the rest of the batch
-        is failed here and aborted downstream, so no node waits for data that will not come.
-        True when every round of the batch ran here without an error."""
+    def _run_batch(self, verdicts: list[Verdict], since: int, ring: Any) -> bool:
+        """Run the agreed rounds in order on ``ring``. Once one fails in its data phase the rest of
+        the batch is failed here and aborted downstream, so no node waits for data that will not
+        come. True when every round of the batch ran here without an error."""
         self.agreements += 1
         failed: BirdnetError | None = None
         all_ok = True
@@ -964,98 +990,112 @@ class RingWorker(threading.Thread):
                                              "message": f"an earlier round of the same batch failed: {failed}"}))
             else:
                 counts = list(v.counts)
-                self._note_contributors(rnd, counts)
-                failed = self._data_phase(rnd, self._round_transport(v.key, since), counts)
+                self.membership.note_contributors(rnd, counts, ring)
+                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, since, neighbours=ring), counts)
         return all_ok and failed is None
 
-    def _check_descs(self, descs: Any, key: str) -> list[tuple[int, dict[str, Any]]]:
-        if (not isinstance(descs, list) or len(descs) != self.world
-                or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[1], dict) for x in descs)
-                or [x[0] for x in descs] != list(range(self.world))):
-            raise ProtocolError(f"round {key}: malformed start message came back round the ring")
-        return [(int(r), d) for r, d in descs]
-
-    def _follow(self, h: dict[str, Any]) -> None:
+    def _follow(self, h: dict[str, Any], sender: int | None = None) -> None:
+        """A follower's part of the agreement the leader's ``start`` ``h`` (from rank ``sender``)
+        began: its description once its processes submitted the round, then the leader's ``go``."""
         key = h.get("k")
         descs = h.get("descs")
         if not isinstance(key, str) or not isinstance(descs, list):
             return
+        m, net = self.membership, self.net
+        ring = m.ring_of_start(self, h, sender)
+        if ring is None:
+            return
         self._close_lane()  # a start: the leader is not in the lane (it closed it, or never opened it)
+        start = {"t": "start", "k": key, **ring.fields}
         deadline = time.monotonic() + self.settings.round_timeout
-        since = self.net.neighbour_restarts
+        since = net.neighbour_restarts
         # Wait until this node's processes have submitted the round the leader chose. The inbox is
         # read before every wait: the service thread's wake-up may already have been consumed by
         # the poll that delivered this start, and waiting on it again would add a whole poll period.
         while True:
             self._take_inbox()
+            if key not in self.ready:
+                m.align(self, key)  # an elastic joiner's call numbers become the cluster's
             if key in self.ready:
                 break
+            m.overtaken(self, key, ring.leader)
             if self.stopping:
                 return
             if time.monotonic() > deadline:
                 descs.append([self.rank, {"error": f"the processes on node rank {self.rank} did not submit "
                                                    f"round {key} within round_timeout"}])
-                self.net.send({"t": "start", "k": key, "descs": descs})
+                ring.send(net, {**start, "descs": descs, "more": []})
                 return
-            lost = self.net.lost()
-            restarted = self.net.restarted_since(since)
-            why = None
-            if lost:
-                why = f"lost peer {self.net.describe_lost(lost)} while round {key} was starting"
-            elif restarted:
-                why = f"round {key} cannot complete: {restarted} while it was starting"
+            why = ring.gone(net, since)
             if why is not None:
-                self._remember_failed(key, "PeerLostError", why)
-                self._abort(key, why)
+                why = f"{why} while round {key} was starting"
+                if m.retries(PeerLostError(why)):
+                    self._abort(key, why, retry=True)  # it starts again on the re-formed ring
+                else:
+                    self._remember_failed(key, "PeerLostError", why)
+                    self._abort(key, why)
                 return
             t = self._tombstone(key)
             if t is not None:
                 # this node failed the round already (alone, before any verdict): fail it everywhere
                 descs.append([self.rank, {"error": t.message, "error_class": t.error_class}])
-                self.net.send({"t": "start", "k": key, "descs": descs})
-                self._pass_go(key, since)
+                ring.send(net, {**start, "descs": descs, "more": []})
+                self._pass_go(key, ring, since)
                 return
             gone = self._departed_before(key)
             if gone is not None:
                 # This node's processes of the job can never submit: fail the round everywhere now.
                 descs.append([self.rank, {"error": f"node rank {self.rank}: {gone}",
                                           "error_class": "ProcessLostError"}])
-                self.net.send({"t": "start", "k": key, "descs": descs})
-                self._pass_go(key, since)
+                ring.send(net, {**start, "descs": descs, "more": []})
+                self._pass_go(key, ring, since)
                 return
-            msg = self.net.poll(0.02)
-            if msg is not None and msg["h"].get("t") == "abort" and msg["h"].get("k") == key:
-                # remembered, so the round fails at once when this node's processes submit it
-                self._on_abort_elsewhere(Abort.from_header(msg["h"]))
+            msg = net.poll(0.02)
+            if msg is None or not ring.from_left(msg):
+                continue
+            mh = msg["h"]
+            if mh.get("t") == "abort" and mh.get("k") == key:
+                a = Abort.from_header(mh)
+                if a is not None and a.origin is not None:
+                    # remembered, so the round fails at once when this node's processes submit it
+                    self._on_abort_elsewhere(a)
+                elif a is not None:
+                    self._abort(key, a.reason, retry=a.retry)  # an elastic abort: on along the ring
                 return
-            if msg is not None and msg["h"].get("t") == "start" and msg["h"].get("k") != key:
+            if mh.get("t") == "start" and mh.get("k") != key:
                 # the leader moved on (it abandoned this round): follow the newer one
                 self.pending_start = msg
                 return
         rnd = self.ready[key]
         descs.append([self.rank, self._own_desc(rnd)])
         kept = extend_batch(h.get("more"), self.ready, self._own_entry)
-        self.net.send({"t": "start", "k": key, "descs": descs, "more": kept})
+        ring.send(net, {**start, "descs": descs, "more": kept})
         try:
-            g = self._wait_message("go", key, rnd.ready_at + self.settings.round_wait_timeout, since)
-        except BirdnetError as exc:
+            g = self._wait_control("go", key, rnd.ready_at + self.settings.round_wait_timeout, ring, since)
+            if not ring.matches_go(g):
+                raise ProtocolError(f"round {key}: the go message does not match its start")
+        except (BirdnetError, RoundRetry) as exc:
+            if m.retries(exc):
+                self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+                return  # the round stays waiting for the leader's next start
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        if self.rank != self.world - 1:
+        if ring.right_rank != ring.leader:
             try:
-                self.net.send(g)
+                ring.send(net, g)
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        verdicts = verdicts_of_go(g, key, self.world, self.ready)
+        m.applied(self, ring, g)
+        verdicts = verdicts_of_go(g, key, ring.world, self.ready)
         lane = g.get("lane")
         if not (self.lane_allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
                 and is_int(lane[1])):
             lane = None
         if lane is not None:
             self._expect_lane(lane[0], lane[1])  # before the batch runs: see _expect_lane
-        self._granted(self._run_batch(verdicts, since), lane)
+        self._granted(self._run_batch(verdicts, since, ring), lane)
 
     def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
@@ -1065,14 +1105,14 @@ class RingWorker(threading.Thread):
         else:
             self._close_lane()
 
-    def _pass_go(self, key: str, since: int) -> None:
+    def _pass_go(self, key: str, ring: Any, since: int) -> None:
         """Forward the leader's verdict on a round this node has no local part in."""
         try:
-            g = self._wait_message("go", key, time.monotonic() + self.settings.pass_go_timeout, since)
-        except BirdnetError:
+            g = self._wait_control("go", key, time.monotonic() + self.settings.pass_go_timeout, ring, since)
+        except (BirdnetError, RoundRetry):
             return
-        if self.rank != self.world - 1:
-            self.net.send(g)
+        if ring.right_rank != ring.leader:
+            ring.send(self.net, g)
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
         """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already

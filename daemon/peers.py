@@ -1,14 +1,16 @@
 """Peer links: the ZeroMQ side of the ring.
 
 Size (about 1,000 lines): sockets, handshake, liveness, numbering, held messages, lane early data
-and the round transport are one module because PeerNet's state (the accepted left identity, the
+and the round transport are one module because PeerNet's state (the accepted identities, the
 numbering, the held queue) is read by all of them on the ring thread; splitting it by concern
-(links, handshake, liveness) is planned (issue 23) and waits until the peer-port hardening settles.
+(links, handshake, liveness) is the next step of issue 23. One PeerNet serves both rings: where
+they differ (which ranks it links to, whose pings it accepts, what pings carry, who counts lost) it
+asks its membership (daemon/membership.py).
 
 Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
-and connects one DEALER socket to its right neighbour. Everything a ring algorithm sends goes out
-on the DEALER; everything it receives comes in on the ROUTER. Only this module's owner thread (the
-ring worker) touches these sockets.
+and connects one DEALER socket to its right neighbour (elastic mode: one to every node). Everything
+a ring algorithm sends goes out on a DEALER; everything it receives comes in on the ROUTER. Only
+this module's owner thread (the ring worker) touches these sockets.
 
 Message types (header field ``t``; frame layout in :mod:`birdnet.wire`):
 
@@ -49,6 +51,14 @@ from typing import Any
 
 import numpy as np
 import zmq
+from birdnet.daemon.elastic import ElasticRing
+from birdnet.daemon.membership import (  # noqa: F401 - RoundAborted, LaneGivenUp: re-exported
+    FixedNeighbours,
+    FixedRing,
+    LaneGivenUp,
+    RingNeighbours,
+    RoundAborted,
+)
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
@@ -134,23 +144,6 @@ def lost_text(n: int, sender: str) -> str:
             "reconnected while they were in flight")
 
 
-class RoundAborted(PeerLostError):
-    """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
-    fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
-    first) until it is back next to its origin; the next round starts normally. ``cls`` is the
-    error class the origin failed the round with, when it was not a lost peer (a lane round whose
-    descriptions differ fails with RoundMismatchError on every node)."""
-
-    def __init__(self, reason: str, origin: int | None = None, cls: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.origin, self.cls = reason, origin, cls
-
-    @classmethod
-    def of(cls, abort: Abort) -> RoundAborted:
-        """The error of a round that an ``abort`` message failed."""
-        return cls(abort.reason, abort.origin, abort.error_class)
-
-
 def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
     """A ROUTER or DEALER of the peer port with the options every one needs. ZMQ_IPV6 always: without
     it a DEALER cannot connect to an IPv6 address or to a name that resolves to one (IPv4 still works
@@ -179,16 +172,26 @@ def _resolve(host: str) -> str:
         return host
 
 
-class PeerNet:
-    """The two sockets of a ring node plus liveness bookkeeping."""
+def membership_for(settings: Settings, rank: int, world: int) -> FixedRing | ElasticRing:
+    """The membership strategy the settings ask for (``elastic``: an elastic ring)."""
+    return ElasticRing(settings, rank, world) if settings.elastic else FixedRing(settings, rank, world)
 
-    #: what a peer may send besides pings (anything else is dropped and logged)
-    MESSAGE_TYPES: tuple[str, ...] = ("start", "go", "abort", "data", "lane")
+
+class PeerNet:
+    """The sockets of a ring node plus liveness bookkeeping, for both rings: which ranks it links
+    to, whose pings it accepts, what its pings carry and how it counts peers lost is its
+    ``membership`` (daemon/membership.py; by default the one the settings ask for), shared with the
+    ring worker."""
 
     def __init__(self, ctx: zmq.Context, settings: Settings, peers: list[Peer], rank: int,
-                 curve: Any = None, wake: zmq.Socket | None = None) -> None:
+                 curve: Any = None, wake: zmq.Socket | None = None,
+                 membership: FixedRing | ElasticRing | None = None) -> None:
         self.settings, self.peers, self.rank = settings, peers, rank
         self.world = len(peers)
+        self.membership = membership_for(settings, rank, self.world) if membership is None else membership
+        self.membership.bind(self)
+        #: what a peer may send besides pings (anything else is dropped and logged)
+        self.message_types = self.membership.message_types
         self.left = peers[(rank - 1) % self.world]
         self.right = peers[(rank + 1) % self.world]
         self.incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
@@ -196,18 +199,24 @@ class PeerNet:
         self.cluster_wide = settings.cluster_wide()
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.left_identity: bytes | None = None
+        #: accepted DEALER identity -> rank, and back (the fixed ring accepts its left neighbour only)
+        self.identities: dict[bytes, int] = {}
+        self.identity_of: dict[int, bytes] = {}
         self.left_seen = 0.0  # monotonic time of the last message from the left neighbour
         self.right_seen = 0.0  # last pong from the right neighbour
-        self.refused_by_right: str | None = None
+        self.seen = [0.0] * self.world  #: monotonic time of the last ping, pong or message per rank
+        self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
+        self.refused: dict[int, str] = {}  #: rank -> why it refused this node's pings
         #: bumped when the left neighbour comes back as a new incarnation (a restarted daemon): a
         #: round in flight here then cannot complete (the new instance knows nothing of it), see
-        #: RingWorker._check_restarts. Its first ping is a precise cut: what it sends before that
+        #: FixedNeighbours.gone. Its first ping is a precise cut: what it sends before that
         #: ping is held (_hold), what the old instance sent after it is dropped (_replaced). The
         #: right-hand side would learn later (after its reconnection and a pong), so only this side
         #: looks; its abort reaches every node.
         self.neighbour_restarts = 0
         self.last_restart = ""  #: which neighbour restarted last, for error messages
+        #: rank -> neighbour_restarts right after its latest restart was seen (a new identity)
+        self.restart_seq: dict[int, int] = {}
         self.own_lost: set[int] = set()
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
@@ -229,17 +238,18 @@ class PeerNet:
         self.max_unanswered = int(settings.peer_timeout / settings.heartbeat_interval) + 2
         #: ranks whose queue _count_ping dropped: the next message to each carries ``qr`` (lost_between)
         self._renumber: set[int] = set()
-        #: Every message to the right neighbour carries ``q``, one more than the last (pings too).
+        #: Every message to a peer carries ``q``, one more than the last to that peer (pings too).
         #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
         #: breaks (a NAT box, a flapping link, ``ss -K``): then what was in flight on it is gone, and
-        #: the next message from the left neighbour, or its next ping (one heartbeat later), shows a
-        #: jump. Without this, a lost *last* message of a round, or a lost control message, was only
+        #: the next message from that sender, or its next ping (one heartbeat later), shows a jump.
+        #: Without this, a lost *last* message of a round, or a lost control message, was only
         #: noticed by the timeouts (a dense-lane round: round_timeout, 600 s by default).
-        self.sent_q = 0
-        self._left_q: int | None = None  #: the last ``q`` from the accepted left neighbour
-        #: why the round that next waits for the left neighbour must fail (take_gap), set on a jump
-        self._gap: str | None = None
-        self.messages_lost = 0  #: messages from the left neighbour lost this way, for status
+        self.sent_q_to: dict[int, int] = {}
+        self._q_from: dict[int, int | None] = {}  #: the last ``q`` from each accepted sender
+        #: per sending rank, why the round that next waits for it must fail (take_gap_from)
+        self._gaps: dict[int, str] = {}
+        self.messages_lost = 0  #: messages lost this way, for status
+        self.lost_from: dict[int, int] = {}  #: messages lost per sending rank, for metrics
         #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
         #: that finished a lane round goes on to the next at once. Their messages wait here.
         self.lane_keys: tuple[str, ...] = ()
@@ -250,11 +260,20 @@ class PeerNet:
         #: called with a ``lane`` message as it arrives (the ring worker closes its lane, passes it on)
         self.on_lane: Any = None
         self.router = peer_socket(ctx, zmq.ROUTER, settings)
-        self.dealer = peer_socket(ctx, zmq.DEALER, settings)
         self.curve = curve
         if curve is not None:
             curve.configure_server(self.router)
-            curve.configure_client(self.dealer, peers[(rank + 1) % self.world])
+        #: a DEALER per rank this node sends to (the first, ``dealer``, is the right neighbour's)
+        self.dealers: dict[int, zmq.Socket] = {}
+        for r in self.membership.dealer_ranks(self):
+            d = peer_socket(ctx, zmq.DEALER, settings)
+            if curve is not None:
+                curve.configure_client(d, peers[r])
+            d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
+            d.setsockopt(zmq.RECONNECT_IVL, 100)
+            d.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max(settings))
+            self.dealers[r] = d
+        self.dealer = self.dealers[self.right.rank]
         # Handshake failures (a CURVE key refused, CURVE on one side only) never reach the
         # application as messages; the socket monitors turn them into a reason we can report.
         failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -262,17 +281,15 @@ class PeerNet:
         self.dealer_monitor = self.dealer.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.router_monitor = self.router.get_monitor_socket(failed)
         self.handshake_failures = 0
-        self.dealer.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
-        self.dealer.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.dealer.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max(settings))
         me = peers[rank]
         host = _resolve(me.host)
         host = f"[{host}]" if ":" in host else host
         self._bind_router(f"tcp://{host}:{me.port}")
-        self.dealer.connect(self.right.endpoint())
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self.dealer, zmq.POLLIN)
+        for r, d in self.dealers.items():
+            d.connect(peers[r].endpoint())
+            self.poller.register(d, zmq.POLLIN)
         self.poller.register(self.dealer_monitor, zmq.POLLIN)
         self.poller.register(self.router_monitor, zmq.POLLIN)
         # The service thread pokes ``wake`` when it hands over a round, so a waiting poll returns
@@ -298,6 +315,9 @@ class PeerNet:
                               f"port {me.port}): {exc.strerror}; {why}") from None
 
     def close(self) -> None:
+        for d in self.dealers.values():
+            if d is not self.dealer:
+                d.close(0)
         for sock, mon in ((self.router, self.router_monitor), (self.dealer, self.dealer_monitor)):
             try:
                 sock.disable_monitor()
@@ -305,6 +325,38 @@ class PeerNet:
                 pass
             mon.close(0)
             sock.close(0)
+
+    # -- who is accepted ---------------------------------------------------------------------------
+    @property
+    def left_identity(self) -> bytes | None:
+        """The DEALER identity accepted as the left neighbour's (its first ping passed the checks)."""
+        return self.identity_of.get(self.left.rank)
+
+    @left_identity.setter
+    def left_identity(self, identity: bytes | None) -> None:
+        old = self.identity_of.pop(self.left.rank, None)
+        if old is not None:
+            self.identities.pop(old, None)
+        if identity is not None:
+            self.identity_of[self.left.rank] = identity
+            self.identities[identity] = self.left.rank
+
+    @property
+    def refused_by_right(self) -> str | None:
+        """Why the right neighbour refuses this node (its refusal, or a failed CURVE handshake)."""
+        return self.refused.get(self.right.rank)
+
+    @refused_by_right.setter
+    def refused_by_right(self, reason: str | None) -> None:
+        if reason is None:
+            self.refused.pop(self.right.rank, None)
+        else:
+            self.refused[self.right.rank] = reason
+
+    @property
+    def sent_q(self) -> int:
+        """The number of the last message to the right neighbour."""
+        return self.sent_q_to.get(self.right.rank, 0)
 
     # -- handshake events --------------------------------------------------------------------------
     def _drain_monitors(self) -> None:
@@ -344,21 +396,55 @@ class PeerNet:
 
     # -- liveness --------------------------------------------------------------------------------
     def lost(self) -> set[int]:
-        """Ranks believed lost: own observations plus what the left neighbour reports."""
+        """Ranks believed lost: this node's own observations (membership.silent), plus on the fixed
+        ring what the left neighbour reports."""
         now = time.monotonic()
-        own: set[int] = set()
-        grace = self.settings.peer_timeout
-        if now - max(self.left_seen, self.started) > grace:
-            own.add(self.left.rank)
-        if now - max(self.right_seen, self.started) > grace:
-            own.add(self.right.rank)
+        own = self.membership.silent(self, now)
         if own != self.own_lost:
-            for r in own - self.own_lost:
-                log.warning("peer rank %d (%s) lost: nothing heard for %.1f s", r, self.peers[r].address, grace)
-            for r in self.own_lost - own:
+            for r in sorted(own - self.own_lost):
+                log.warning("peer rank %d (%s) lost: nothing heard for %.1f s", r, self.peers[r].address,
+                            self.settings.peer_timeout)
+            for r in sorted(self.own_lost - own):
                 log.info("peer rank %d (%s) is back", r, self.peers[r].address)
             self.own_lost = own
         return (own | self.left_reports) - {self.rank}
+
+    def heard(self, r: int, now: float | None = None) -> bool:
+        """Something from rank ``r`` arrived within peer_timeout (no grace after start-up)."""
+        if r == self.rank:
+            return True
+        if r in self.duplicates:
+            return False  # two daemons claim it (its pongs still come, from the one we dial)
+        now = time.monotonic() if now is None else now
+        return self.seen[r] > 0 and now - self.seen[r] <= self.settings.peer_timeout
+
+    def presumed(self, r: int, now: float | None = None) -> bool:
+        """Rank ``r`` is not (yet) counted lost: heard within peer_timeout, or this daemon started
+        less than peer_timeout ago."""
+        if r == self.rank:
+            return True
+        if r in self.duplicates:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - max(self.seen[r], self.started) <= self.settings.peer_timeout
+
+    def alive(self) -> set[int]:
+        """The ranks heard within peer_timeout (this node's own included)."""
+        now = time.monotonic()
+        return {r for r in range(self.world) if self.heard(r, now)}
+
+    def gone(self, ring: list[int], since: int, now: float | None = None) -> str | None:
+        """Why a round on ``ring`` that began when neighbour_restarts was ``since`` cannot go on:
+        members counted lost, or restarted since (their new instance knows nothing of the round),
+        else None."""
+        now = time.monotonic() if now is None else now
+        lost = {r for r in ring if not self.presumed(r, now)}
+        back = [r for r in ring if self.restart_seq.get(r, 0) > since]
+        if not lost and not back:
+            return None
+        why = [f"lost peer {self.describe_lost(lost)}"] if lost else []
+        why += [f"rank {r} ({self.peers[r].address}) restarted" for r in back]
+        return "; ".join(why)
 
     def restarted_since(self, since: int) -> str | None:
         """Which neighbour restarted (for an error message) if one did after neighbour_restarts was
@@ -366,35 +452,12 @@ class PeerNet:
         return f"neighbour {self.last_restart}" if self.neighbour_restarts != since else None
 
     def describe_lost(self, lost: set[int]) -> str:
-        text = ", ".join(f"rank {r} ({self.peers[r].address})" for r in sorted(lost))
-        if self.refused_by_right and self.right.rank in lost:
-            text += f" [{self.refused_by_right}]"
-        if self.left.rank in self.duplicates and self.left.rank in lost:
-            text += f" [{self.duplicates[self.left.rank]}]"
-        return text
+        return self.membership.describe_lost(self, lost)
 
     def peer_states(self) -> list[dict[str, Any]]:
-        lost = self.lost()
-        out = []
-        for p in self.peers:
-            if p.rank == self.rank:
-                state = "self"
-            elif p.rank in lost:
-                state = "lost"
-            elif p.rank in (self.left.rank, self.right.rank):
-                state = "connected" if self._handshaken(p.rank) else "connecting"
-            else:
-                state = "ok"
-            out.append({"rank": p.rank, "address": p.address, "state": state})
-        if self.refused_by_right:
-            out[self.right.rank]["state"] = "refused"
-            out[self.right.rank]["reason"] = self.refused_by_right
-        if self.left.rank in self.duplicates:
-            out[self.left.rank]["state"] = "refused"
-            out[self.left.rank]["reason"] = self.duplicates[self.left.rank]
-        return out
+        return self.membership.peer_states(self)
 
-    def _handshaken(self, rank: int) -> bool:
+    def handshaken(self, rank: int) -> bool:
         """Whether the neighbour ``rank`` passed a real handshake: the left one's ping was accepted, the
         right one answered ours with a pong (before that a peer is "connecting", even within peer_timeout
         of the start, when it is not counted lost yet)."""
@@ -406,22 +469,25 @@ class PeerNet:
         return ok
 
     # -- sending ---------------------------------------------------------------------------------
-    def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False):
-        """Queue a message for the right neighbour. Buffers go out without copying; with ``track``
-        the returned MessageTracker tells when ZeroMQ no longer needs them."""
-        q = self.sent_q + 1
-        frames = wire.encode(header, buffers, **self._numbering(self.right.rank, q))
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = (), track: bool = False,
+             to: int | None = None):
+        """Queue a message for rank ``to`` (default: the hosts-file right neighbour). Buffers go out
+        without copying; with ``track`` the returned MessageTracker tells when ZeroMQ no longer needs
+        them."""
+        to = self.right.rank if to is None else to
+        q = self.sent_q_to.get(to, 0) + 1
+        frames = wire.encode(header, buffers, **self._numbering(to, q))
         try:
-            # NOBLOCK: without a connection (right neighbour refused us, or never came) a blocking
-            # send would stall this thread for good; ZeroMQ queues while a connection exists.
+            # NOBLOCK: without a connection (the peer refused us, or never came) a blocking send
+            # would stall this thread for good; ZeroMQ queues while a connection exists.
             nbytes = frames_nbytes(frames)
-            tracker = send_frames(self.dealer, frames, track, nbytes)
+            tracker = send_frames(self.dealers[to], frames, track, nbytes)
         except zmq.Again:
             raise PeerLostError(
-                f"cannot send to right neighbour rank {self.right.rank} ({self.right.address}): not connected"
-                + (f" [{self.refused_by_right}]" if self.refused_by_right else "")) from None
-        self.sent_q = q  # only a message ZeroMQ took counts: the receiver expects no gap otherwise
-        self._renumber.discard(self.right.rank)
+                f"cannot send to {self.membership.describe_peer(self, to, 'right')}: not connected"
+                + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
+        self.sent_q_to[to] = q  # only a message ZeroMQ took counts: the receiver expects no gap otherwise
+        self._renumber.discard(to)
         self.bytes_sent += nbytes
         return tracker
 
@@ -463,9 +529,16 @@ class PeerNet:
         self._unanswered[rank] = 0
 
     def _send_ping(self) -> None:
-        self._count_ping(self.right.rank, self.dealer, self.right.endpoint())
-        self.send({"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
-                   "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost())})
+        """A ping to every rank this node links to (the handshake, liveness and numbering)."""
+        h = {"t": "ping", "proto": PROTOCOL_VERSION, "cw": self.cluster_wide, "world": self.world,
+             "rank": self.rank, "inc": self.incarnation, "lost": sorted(self.lost()),
+             **self.membership.ping_fields()}
+        for r, d in self.dealers.items():
+            self._count_ping(r, d, self.peers[r].endpoint())
+            try:
+                self.send(h, to=r)
+            except PeerLostError:
+                pass  # that peer's liveness (no pongs) reports this
 
     # -- receiving -------------------------------------------------------------------------------
     def set_lane_keys(self, keys: tuple[str, ...]) -> None:
@@ -540,34 +613,44 @@ class PeerNet:
 
     def _drain_replies(self, events: dict) -> None:
         """Pongs and refusals on the DEALER side."""
-        if self.dealer in events:
-            self._drain_dealer()
+        for r, d in self.dealers.items():
+            if d in events:
+                self._drain_dealer_of(r, d)
 
-    def _drain_dealer(self) -> None:
+    def _drain_dealer_of(self, r: int, d: zmq.Socket) -> None:
+        who = self.membership.describe_peer(self, r, "right")
         while True:
             try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = d.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
                 header, _ = wire.decode(frames, max_bytes=wire.MAX_HEADER_BYTES)
                 wire.check_peer(header, self.world)
             except ProtocolError as exc:
-                log.warning("dropped a bad reply from right neighbour %s: %s", self.right.address, exc)
+                log.warning("dropped a bad reply from %s: %s", who, exc)
                 continue
             if header["t"] in ("pong", "refuse"):
-                self._answered(self.right.rank)
+                self._answered(r)
             if header["t"] == "pong":
-                self.right_seen = time.monotonic()
-                if self.refused_by_right:
-                    log.info("right neighbour %s accepted us", self.right.address)
-                self.refused_by_right = None
+                self.seen[r] = time.monotonic()
+                self._note_info(r, header)
+                if r == self.right.rank:
+                    self.right_seen = self.seen[r]
+                if self.refused.pop(r, None) is not None:
+                    log.info("%s accepted us", who)
             elif header["t"] == "refuse":
                 reason = str(header.get("reason"))
-                if reason != self.refused_by_right:
-                    log.error("right neighbour rank %d (%s) refused this node: %s", self.right.rank,
-                              self.right.address, reason)
-                self.refused_by_right = reason
+                if reason != self.refused.get(r):
+                    log.error("%s refused this node: %s", who, reason)
+                self.refused[r] = reason
+
+    def _note_info(self, r: int, h: dict[str, Any]) -> None:
+        """What a ping or pong says of its sender's membership (elastic mode's epoch, incarnation, want)."""
+        ep = h.get("ep")
+        inc = h.get("inc")
+        self.info[r] = {"ep": ep if isinstance(ep, int) and not isinstance(ep, bool) and ep >= 0 else 0,
+                        "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
 
     def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any] | None:
         """The next message on the ROUTER as (identity, header, buffers, header frame); None when
@@ -593,25 +676,31 @@ class PeerNet:
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
             return None
-        if t not in self.MESSAGE_TYPES:
+        if t not in self.message_types:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
         return identity, header, bufs, frames[1]
 
     def _check_numbering(self, identity: bytes, header: dict[str, Any]) -> None:
-        """Notice messages from the accepted left neighbour that never arrived (see ``sent_q``)."""
-        if identity != self.left_identity:
-            return
-        n, self._left_q = lost_between(self._left_q, header)
+        """Notice messages from an accepted sender that never arrived (see ``sent_q_to``)."""
+        r = self.identities.get(identity)
+        if r is None:
+            return  # not accepted yet: its first ping starts its numbering (_handle_ping)
+        n, self._q_from[r] = lost_between(self._q_from.get(r), header)
         if n:
             self.messages_lost += n
-            self._gap = (lost_text(n, f"left neighbour rank {self.left.rank} ({self.left.address})")
-                         + "; this call failed, the next one runs afresh")
-            log.warning("%s", self._gap)
+            self.lost_from[r] = self.lost_from.get(r, 0) + n
+            self._gaps[r] = lost_text(n, self.membership.describe_peer(self, r, "left"))
+            log.warning("%s", self._gaps[r])
 
     def messages_lost_by_peer(self) -> list[tuple[Peer, int]]:
-        """Messages lost per sending peer, for metrics: on the fixed ring only the left neighbour sends."""
-        return [(self.left, self.messages_lost)]
+        """Messages lost per sending peer, for metrics (the fixed ring's only sender is the left neighbour)."""
+        return [(self.peers[r], self.lost_from.get(r, 0)) for r in sorted(self.membership.senders(self))]
+
+    def take_gap_from(self, r: int) -> str | None:
+        """Why a wait for rank ``r`` must give up (messages from it were lost since the last wait for
+        it), once; else None."""
+        return self._gaps.pop(r, None)
 
     def take_gap(self) -> str | None:
         """Why the caller's round must fail (messages from the left neighbour were lost since the last
@@ -619,19 +708,22 @@ class PeerNet:
         one this node has not begun (rounds pass a link in order), so the first round to wait for the
         left neighbour after a gap takes it: at worst one call fails that could have completed (a lost
         control message of another round), where without it a round waited for its timeout."""
-        gap, self._gap = self._gap, None
-        return gap
+        gap = self.take_gap_from(self.left.rank)
+        return f"{gap}; this call failed, the next one runs afresh" if gap else None
 
     def _recv_router(self) -> dict | None:
         got = self._decode_router()
         if got is None:
             return None
         identity, header, bufs, first = got
-        if identity != self.left_identity:
-            self._not_accepted(identity, header, bufs, first, "the left neighbour")
+        r = self.identities.get(identity)
+        if r is None:
+            self._not_accepted(identity, header, bufs, first, "the peer")
             return None
-        self.left_seen = time.monotonic()
-        return {"h": header, "b": bufs}
+        self.seen[r] = time.monotonic()
+        if r == self.left.rank:
+            self.left_seen = self.seen[r]
+        return {"h": header, "b": bufs, "from": r}
 
     def _not_accepted(self, identity: bytes, header: dict[str, Any], bufs: list[memoryview], first: Any,
                       whose: str) -> None:
@@ -691,8 +783,7 @@ class PeerNet:
     def _duplicate_claim(self, identity: bytes, rank: int, inc: Any, current: bytes | None) -> str | None:
         """Why a ping that passed the checks is refused because two live daemons claim ``rank`` (a
         --rank given twice, or one hosts-file line used by two machines), else None. ``current`` is
-        the identity accepted for ``rank`` now (the left neighbour's, or in elastic mode that
-        rank's); on a refusal the caller accepts neither.
+        the identity accepted for ``rank`` now; on a refusal the caller accepts neither.
 
         A restarted daemon's new connection replaces the old one, which then falls silent. A
         replaced connection that pings again means both daemons are alive: each would displace the
@@ -758,37 +849,53 @@ class PeerNet:
         return None
 
     def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
-        expected = self.left.rank
+        """A ping: the handshake (refused with the reason, or answered with a pong) and, from a new
+        connection, its acceptance as the rank it claims."""
+        m = self.membership
+        r = h.get("rank")
         who = self._peer_of_connection(frame) if self.curve is not None else None
-        reason = self._ping_refusal(h, who, expected, None if h.get("rank") == expected else (
-            f"the peer claims rank {h.get('rank')!r}, but rank {self.rank}'s left neighbour is "
-            f"rank {expected} ({self.left.address}); check the order of the hosts files"))
+        reason = self._ping_refusal(h, who, r, m.rank_problem(self, r))
         if reason is None:
-            reason = self._duplicate_claim(identity, expected, h.get("inc"), self.left_identity)
-            if reason:
-                self.left_identity = None  # neither is accepted: their messages are held, then dropped
+            reason = self._duplicate_claim(identity, r, h.get("inc"), self.identity_of.get(r))
+            if reason and r in self.identity_of:
+                # neither is accepted (their messages are held, then dropped): rank r counts as
+                # lost after peer_timeout and the ring goes on without it; before, the two
+                # displaced each other at every heartbeat, each time as a "restart" of rank r
+                self.identities.pop(self.identity_of.pop(r), None)
+                self.restart_seq[r] = self.neighbour_restarts
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})
             return
-        # The newest connection that passes the checks is the left neighbour, so a restarted
-        # neighbour is taken back at its first ping. Without CURVE anyone who can reach this port
-        # could pose as it (docs/security.md); with CURVE the key must be the left neighbour's.
-        if identity != self.left_identity:
-            log.info("left neighbour rank %d (%s) connected (incarnation %s)", expected, self.left.address,
-                     h.get("inc"))
-            if self.left_identity is not None:
-                self._replaced.append(self.left_identity)
+        assert isinstance(r, int)  # rank_problem checked it
+        # The newest connection that passes the checks is the rank's, so a restarted peer is taken
+        # back at its first ping. Without CURVE anyone who can reach this port could pose as it
+        # (docs/security.md); with CURVE the key must be that rank's.
+        if self.identity_of.get(r) != identity:
+            old = self.identity_of.get(r)
+            log.info("%s connected (incarnation %s)", m.describe_peer(self, r, "left"), h.get("inc"))
+            if old is not None:
+                self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
+                self._replaced.append(old)
+                # a restart: rounds in flight with r cannot complete (restarted_since, gone)
                 self.neighbour_restarts += 1
-                self.last_restart = f"rank {expected} ({self.left.address}) restarted (incarnation {h.get('inc')})"
-            self.left_identity = identity
-            # its numbering starts here: what it sent before this ping is held and released below
-            self._left_q = lost_between(None, h)[1]
-            self._release_held(identity, who, {})
-        self.left_seen = time.monotonic()
-        lost = h.get("lost")
-        self.left_reports = {x for x in lost if isinstance(x, int) and 0 <= x < self.world} if isinstance(lost, list) else set()
-        self._reply(identity, {"t": "pong", "rank": self.rank})
+                self.restart_seq[r] = self.neighbour_restarts
+                self.last_restart = f"rank {r} ({self.peers[r].address}) restarted (incarnation {h.get('inc')})"
+            self.identity_of[r] = identity
+            self.identities[identity] = r
+            # its numbering starts at this ping (what it sent before is held and released below)
+            self._q_from[r] = lost_between(None, h)[1]
+            self._gaps.pop(r, None)
+            self._release_held(identity, who, {"from": r})
+        self.seen[r] = time.monotonic()
+        self._note_info(r, h)
+        if r == self.left.rank:
+            self.left_seen = self.seen[r]
+            lost = h.get("lost")
+            if m.relays_lost:
+                self.left_reports = ({x for x in lost if isinstance(x, int) and 0 <= x < self.world}
+                                     if isinstance(lost, list) else set())
+        self._reply(identity, {"t": "pong", "rank": self.rank, **m.pong_fields(self)})
 
 
 def _as_frame(b: Any) -> Any:
@@ -807,92 +914,6 @@ def _earlier_of_job(other: Any, key: str) -> bool:
     """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
     a, b = wire.split_key(other), wire.split_key(key)
     return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
-
-
-class LaneGivenUp(Exception):
-    """A lane round this node started is not going to run as one (the leader closed the lane, or
-    started an agreement). No node can have written the round's buffers yet: the ring worker puts
-    it back and runs it again when the leader starts it. Internal to the daemon."""
-
-
-class FixedNeighbours:
-    """Who a round's transport talks to on the fixed ring: the hosts file's left and right
-    neighbours, every node in every round. A round fails when any peer is lost or a neighbour
-    restarted; aborts of other rounds pass through every node (they travel until next to their
-    origin, RingWorker._abort)."""
-
-    other_aborts = True
-
-    def __init__(self, net: PeerNet) -> None:
-        self.net = net
-        self.rank, self.world = net.rank, net.world
-
-    def send(self, net: Any, header: dict[str, Any], buffers: Sequence[Any], track: bool):
-        return net.send(header, buffers, track=track)
-
-    def why_gone(self, net: Any, key: str, since: int) -> str | None:
-        lost = net.lost()
-        if lost:
-            return f"lost peer {net.describe_lost(lost)} during round {key}"
-        restarted = net.restarted_since(since)
-        return f"round {key} cannot complete: {restarted} during it" if restarted else None
-
-    def take_gap(self, net: Any, key: str) -> str | None:
-        gap = net.take_gap()
-        return f"round {key}: {gap}" if gap else None
-
-    def accepts(self, msg: dict[str, Any]) -> bool:
-        return True  # only the accepted left neighbour's messages reach the ROUTER's reader
-
-    def from_left(self, msg: dict[str, Any]) -> bool:
-        return True
-
-    def describe_left(self) -> str:
-        return f"left neighbour rank {self.net.left.rank} ({self.net.left.address})"
-
-    def describe_right(self) -> str:
-        return f"right neighbour rank {self.net.right.rank} ({self.net.right.address})"
-
-
-class RingNeighbours:
-    """Who a round's transport talks to on an elastic ring ``members`` (sorted ranks of the hosts
-    file): rank and world are positions in it, the neighbours the members before and after this
-    node. A round fails when a member is lost or restarted; messages from nodes outside the ring
-    are ignored, and aborts of other rounds are not this round's business (they travel the ring of
-    their own round)."""
-
-    other_aborts = False
-
-    def __init__(self, net: Any, members: list[int]) -> None:
-        self.members = members
-        pos = members.index(net.rank)
-        self.rank, self.world = pos, len(members)
-        self.right_rank = members[(pos + 1) % len(members)]
-        self.left_rank = members[(pos - 1) % len(members)]
-        self.left, self.right = net.peers[self.left_rank], net.peers[self.right_rank]
-
-    def send(self, net: Any, header: dict[str, Any], buffers: Sequence[Any], track: bool):
-        return net.send(header, buffers, track=track, to=self.right_rank)
-
-    def why_gone(self, net: Any, key: str, since: int) -> str | None:
-        why = net.gone(self.members, since)
-        return f"{why} during round {key}" if why else None
-
-    def take_gap(self, net: Any, key: str) -> str | None:
-        gap = net.take_gap_from(self.left_rank)
-        return f"round {key}: {gap}; this call failed, the next one runs afresh" if gap else None
-
-    def accepts(self, msg: dict[str, Any]) -> bool:
-        return msg.get("from") in self.members
-
-    def from_left(self, msg: dict[str, Any]) -> bool:
-        return msg.get("from") == self.left_rank
-
-    def describe_left(self) -> str:
-        return f"rank {self.left_rank} ({self.left.address})"
-
-    def describe_right(self) -> str:
-        return f"rank {self.right_rank} ({self.right.address})"
 
 
 class RoundTransport:

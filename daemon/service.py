@@ -312,14 +312,9 @@ class Daemon:
             self.ring_wake_rx.bind(f"inproc://birdnet-ring-wake-{id(self)}")
             self.ring_wake_tx = self.ctx.socket(zmq.PUSH)
             self.ring_wake_tx.connect(f"inproc://birdnet-ring-wake-{id(self)}")
-            net_cls = PeerNet
-            if self.settings.elastic:
-                from birdnet.daemon.elastic import ElasticPeerNet as net_cls  # noqa: N813
-            self.net = net_cls(self.ctx, self.settings, self.peers, self.rank, curve=curve, wake=self.ring_wake_rx)
-        worker_cls = RingWorker
-        if self.settings.elastic and self.world > 1:
-            from birdnet.daemon.elastic import ElasticRingWorker as worker_cls  # noqa: N813
-        self.worker = worker_cls(self.settings, self.rank, self.world, self.net,
+            # the membership (fixed ring, or --elastic) is the net's, shared with the ring worker
+            self.net = PeerNet(self.ctx, self.settings, self.peers, self.rank, curve=curve, wake=self.ring_wake_rx)
+        self.worker = RingWorker(self.settings, self.rank, self.world, self.net,
                                  RoundRunner(self.settings, self.states), self._round_finished)
         if self.settings.metrics_port is not None:
             from birdnet.daemon.metrics import MetricsServer
@@ -1090,7 +1085,8 @@ class Daemon:
             "states": self.states.per_job(),
             "states_evicted": self.states.evicted, "states_evicted_bytes": self.states.evicted_bytes,
             "uptime_seconds": time.time() - self.started,
-            **({"elastic": w.status()} if w is not None and hasattr(w, "status") else {}),
+            # elastic mode's epoch, members and leader (the membership's; nothing on a fixed ring)
+            **({"elastic": ms} if w is not None and (ms := w.status()) is not None else {}),
         }
 
     # -- shutdown ---------------------------------------------------------------------------------

@@ -196,14 +196,14 @@ def test_a_restarted_neighbour_numbers_afresh_and_unnumbered_messages_are_not_ch
 
 @pytest.fixture
 def elastic():
-    """Rank 0 of a 3-node elastic ring as a real ElasticPeerNet; ``peer(r, identity)`` makes a DEALER
-    posing as rank r, ``listen(r)`` a ROUTER on rank r's address (what rank 0 sends to r)."""
-    from birdnet.daemon.elastic import ElasticPeerNet
+    """Rank 0 of a 3-node elastic ring as a real PeerNet (its membership an ElasticRing);
+    ``peer(r, identity)`` makes a DEALER posing as rank r, ``listen(r)`` a ROUTER on rank r's
+    address (what rank 0 sends to r)."""
     ctx = zmq.Context()
     # peer_timeout well above the tests' length: a rank that never pings stays "presumed" alive
     settings = Settings(peer_timeout=30.0, heartbeat_interval=0.1, elastic=True)
     peers = [Peer(r, "127.0.0.1", p) for r, p in enumerate(free_ports(3))]
-    net = ElasticPeerNet(ctx, settings, peers, 0)
+    net = PeerNet(ctx, settings, peers, 0)
     socks = []
 
     def peer(r: int, identity: bytes) -> zmq.Socket:
@@ -297,28 +297,28 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     go may be lost with the nodes before it already in the data phase); a node still waiting for a
     start asks the leader to start again, instead of the leader waiting round_timeout for its start
     to come back round."""
-    from birdnet.daemon.elastic import ElasticRingWorker
-    from birdnet.daemon.engine import RoundRunner, StateStore
-    from birdnet.daemon.peers import RoundAborted
+    from birdnet.daemon.engine import RingWorker, RoundRunner, StateStore
+    from birdnet.daemon.peers import RingNeighbours, RoundAborted
     net, settings, peer, listen = elastic
     to1 = listen(1)
-    w = ElasticRingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)), lambda rnd: None)
+    w = RingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)), lambda rnd: None)
+    ring = RingNeighbours(net, [0, 1, 2])  # rank 0's left member is rank 2
     left = peer(2, b"r2-a")
     left.send_multipart(elastic_ping(settings, 2, 1))
     left.send_multipart(elastic_ping(settings, 2, 3))
     t = time.monotonic()
     with pytest.raises(PeerLostError, match=r"round j/4: 1 message\(s\) from rank 2") as got:
-        w._wait_elastic("start", "j/4", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
+        w._wait_control("start", "j/4", time.monotonic() + 30, ring, net.neighbour_restarts)
     assert not isinstance(got.value, RoundAborted)  # the leader's caller retries on this
     assert time.monotonic() - t < 5
     left.send_multipart(elastic_ping(settings, 2, 5))
     with pytest.raises(RoundAborted, match=r"round j/5: 1 message\(s\) from rank 2"):
-        w._wait_elastic("go", "j/5", time.monotonic() + 30, [0, 1, 2], 2, net.neighbour_restarts)
+        w._wait_control("go", "j/5", time.monotonic() + 30, ring, net.neighbour_restarts)
     # waiting for a start (a round of its own is ready): the leader, rank 1, is asked to start again
     w.order = ["j/6"]
     left.send_multipart(elastic_ping(settings, 2, 7))
     collect(net, 0.3)
-    w._restart_if_start_lost(leader=1)
+    w.membership.waiting_for_start(w, leader=1)
     got = received(to1, 1, "abort")
     assert got and got[0]["k"] == "j/6" and got[0]["retry"] is True and "from rank 2" in got[0]["reason"], got
     assert net.take_gap_from(2) is None
@@ -333,14 +333,14 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     member of an epoch yet (restarted: a start queued for its previous life) leave held rounds alone."""
     import threading
 
-    from birdnet.daemon.elastic import ElasticRingWorker
-    from birdnet.daemon.engine import LocalRound, RoundRunner, StateStore
+    from birdnet.daemon.engine import LocalRound, RingWorker, RoundRunner, StateStore
     from birdnet.daemon.peers import RoundAborted
     net, settings, peer, listen = elastic
     to1 = listen(1)
     finished: dict[str, BaseException | None] = {}
-    w = ElasticRingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)),
-                          lambda rnd: finished.__setitem__(rnd.key, rnd.error))
+    w = RingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)),
+                   lambda rnd: finished.__setitem__(rnd.key, rnd.error))
+    m = w.membership  # the ElasticRing
     left = peer(2, b"r2-a")  # ring [0, 1, 2], leader 1: a start reaches rank 0 from rank 2
     left.send_multipart(elastic_ping(settings, 2, 1))
     collect(net, 0.3)
@@ -357,7 +357,8 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
                                 [2, {"kind": "allreduce", "name": "g", "count": 1}]]}, "from": 2}
 
     def follow(key: str) -> threading.Thread:
-        t = threading.Thread(target=w._follow_elastic, args=(start(key),), daemon=True)
+        msg = start(key)
+        t = threading.Thread(target=w._follow, args=(msg["h"], msg["from"]), daemon=True)
         t.start()
         return t
 
@@ -365,9 +366,9 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     held("other", 2)
     # a daemon that has not been a member of an epoch yet (restarted) may get a start queued for its
     # previous life: its numbering is not the leader's, it keeps its rounds
-    w._fail_overtaken("j/6", 1)
+    m.overtaken(w, "j/6", 1)
     assert "j/5" in w.ready and not finished
-    w.epoch, w.members = 1, [0, 1, 2]
+    m.epoch, m.members = 1, [0, 1, 2]
     t = follow("j/6")
     deadline = time.monotonic() + 5
     while "j/5" not in finished and time.monotonic() < deadline:
@@ -383,15 +384,15 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     assert not t.is_alive()
     # a start of a held round itself (the leader retried it) fails nothing: only earlier rounds go
     held("j", 8)
-    w._fail_overtaken("j/8", 1)
+    m.overtaken(w, "j/8", 1)
     assert "j/8" in w.ready and "j/8" not in finished
     # a joiner whose call numbers are not aligned with the cluster's yet keeps its rounds
     held("k", 3)
-    w.join_epoch, w.aligned = 1, set()
-    w._fail_overtaken("k/7", 1)
+    m.join_epoch, m.aligned = 1, set()
+    m.overtaken(w, "k/7", 1)
     assert "k/3" in w.ready and "k/3" not in finished
-    w.aligned = {"k"}
-    w._fail_overtaken("k/7", 1)
+    m.aligned = {"k"}
+    m.overtaken(w, "k/7", 1)
     assert isinstance(finished.get("k/3"), RoundAborted)
     assert "other/2" in w.ready and "j/8" in w.ready
 
