@@ -289,7 +289,7 @@ print(h.hexdigest())' "$bnwheel")"
 copy_tests() {
   rm -rf "$rootfs$gtests"
   mkdir -p "$rootfs$gtests/tests"
-  cp "$repo"/tests/{conftest.py,_codec_sim.py,test_kernels_reference.py,test_signbits.py,test_codecs_roundtrip.py} "$rootfs$gtests/tests/"
+  cp "$repo"/tests/{conftest.py,_codec_sim.py,_kernel_refs.py,test_kernels_reference.py,test_signbits.py,test_codecs_roundtrip.py} "$rootfs$gtests/tests/"
   # pytest's rootdir and its settings (timeout, markers) from the project's pyproject.toml
   cp "$repo/pyproject.toml" "$rootfs$gtests/"
 }

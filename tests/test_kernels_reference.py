@@ -5,11 +5,14 @@ import math
 
 import numpy as np
 import pytest
+from _kernel_refs import _weight_pass, floor_mix, shared_probabilities, solve_scale_full, walk_grouped
 
 from birdnet.kernels import blocks as B
 from birdnet.kernels import quant as Q
 from birdnet.kernels import rng
+from birdnet.kernels import select as SEL
 from birdnet.kernels import sparse as S
+from birdnet.kernels import weights as W
 
 M64 = (1 << 64) - 1
 
@@ -349,7 +352,7 @@ def test_gamma_weights_vectorised_equal_scalar_sequence_bit_for_bit(gamma):
     fin = a[np.isfinite(a)]
     amax = float(fin.max())
     q = B.gamma_quarters(gamma)
-    ref = [np.inf if not np.isfinite(ai) else (B._pow_quarters(float(ai) / amax, q) if ai > 0 else 0.0) for ai in a]
+    ref = [np.inf if not np.isfinite(ai) else (W._pow_quarters(float(ai) / amax, q) if ai > 0 else 0.0) for ai in a]
     np.testing.assert_array_equal(w, ref)
 
 
@@ -387,7 +390,7 @@ def test_candidate_solve_equals_full_solve(m):
     rs = np.random.default_rng(m)
     for name, w, k in _adversarial_weights(m, rs):
         k = max(min(k, float(m)), 0.5)
-        full = B.solve_scale_full(w, k)
+        full = solve_scale_full(w, k)
         fast = B.solve_scale(w, k)
         if full == np.inf:
             assert fast == np.inf, name
@@ -395,21 +398,21 @@ def test_candidate_solve_equals_full_solve(m):
             assert fast == pytest.approx(full, rel=1e-12, abs=0.0), name
         # the candidate kernel directly, with a bound that holds, one that does not, a tiny buffer
         cap = np.empty(m, np.float64)
-        a0 = B._solve_scale_candidates(w, k, 0.0, cap)
+        a0 = SEL._solve_scale_candidates(w, k, 0.0, cap)
         assert a0 == full or a0 == pytest.approx(full, rel=1e-12), name
         if 0.0 < full < np.inf and np.isfinite(w).any() and np.nanmax(w[np.isfinite(w)]) * full > 1.0 + 1e-9:
             # a bound above the threshold 1/A: not every capped block is a candidate -> NaN (fall back)
             wl = float(np.max(w[np.isfinite(w)]))
-            assert np.isnan(B._solve_scale_candidates(w, k, wl * (1 - 1e-15), cap)), name
+            assert np.isnan(SEL._solve_scale_candidates(w, k, wl * (1 - 1e-15), cap)), name
         if m > 10 and (w[np.isfinite(w)] > 0).sum() > 2:
-            assert np.isnan(B._solve_scale_candidates(w, k, 0.0, np.empty(1, np.float64))) or full == np.inf, name
+            assert np.isnan(SEL._solve_scale_candidates(w, k, 0.0, np.empty(1, np.float64))) or full == np.inf, name
 
 
 def ref_select(a, gamma, k, u):
     """The unfused pipeline: gamma weights, full-pass solve, probabilities, sequential walk."""
     w = B.gamma_weights(a, gamma)
     p = np.empty(a.shape[0])
-    B._probabilities(w, B.solve_scale_full(w, k), p)
+    W._probabilities(w, solve_scale_full(w, k), p)
     ids = B.walk(p, u)
     return ids, p
 
@@ -520,7 +523,7 @@ def test_birdplus_select_grouped_equals_fused(m):
                 want = max(min(k, int((w > 0).sum())), int((~np.isfinite(a)).sum()))
                 for u in (0.2718281828459045, 0.6180339887498949):  # (no exact rational crossings)
                     ids, pk = B.birdplus_select(a, _amax(a), gamma, k, u)
-                    fids, fpk = B.birdplus_select(a, _amax(a), gamma, k, u, grouped=False)
+                    fids, fpk = B.birdplus_select(a, _amax(a), gamma, k, u, weight_pass=_weight_pass)
                     msg = f"{name} gamma={gamma} k={k} u={u}"
                     assert ids.size == want, msg
                     np.testing.assert_array_equal(ids, fids, err_msg=msg)
@@ -544,12 +547,12 @@ def test_weight_pass_groups_reference(m):
             fin = np.sort(a[np.isfinite(a)])
             for al in {0.0, float(fin[len(fin) // 2]) if fin.size else 0.0, amax}:
                 al = min(al, amax)
-                wl = B._pow_quarters(al / amax, q) if al > 0.0 else 0.0
+                wl = W._pow_quarters(al / amax, q) if al > 0.0 else 0.0
                 c1 = np.empty(m + 8)
                 c2 = np.empty(m + 8)
                 gw = np.full(m // 8, -1.0)
-                f1, n1, i1, k1 = B._weight_pass(a, amax, q, al, c1)
-                f2, n2, i2, k2 = B._weight_pass_groups(a, amax, q, al, wl, c2, gw)
+                f1, n1, i1, k1 = _weight_pass(a, amax, q, al, c1)
+                f2, n2, i2, k2 = SEL._weight_pass_groups(a, amax, q, al, wl, c2, gw)
                 msg = f"{name} gamma={gamma} al={al}"
                 assert (i1, k1) == (i2, k2), msg
                 np.testing.assert_array_equal(c1[:k1], c2[:k2], err_msg=msg)
@@ -562,7 +565,7 @@ def test_weight_pass_groups_reference(m):
                 np.testing.assert_array_equal(gw, ref, err_msg=msg)
                 # an overflowing candidate buffer is reported
                 if k2 > 0:
-                    assert B._weight_pass_groups(a, amax, q, al, wl, np.empty(1), gw)[3] == -1, msg
+                    assert SEL._weight_pass_groups(a, amax, q, al, wl, np.empty(1), gw)[3] == -1, msg
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 9, 1000, 4099])
@@ -573,22 +576,22 @@ def test_walk_grouped_reference(m):
     k = max(1, int(np.floor(0.05 * m + 0.5)))
     p = B.probabilities(w, k)
     for u in (0.1, 0.5, 0.999999):
-        ids = B.walk_grouped(p, u)
+        ids = walk_grouped(p, u)
         assert ids.size == min(k, int((p > 0).sum())) and np.all(p[ids] > 0)
         np.testing.assert_array_equal(ids, B.walk(p, u))  # random data: rounding decides no crossing
     # shared mode's floor mix, in place, bit-identical to probabilities() + floor_mix()
-    ref = B.floor_mix(B.probabilities(w, k), 0.1, k / m)
-    got = B.shared_probabilities(w.copy(), k, 0.1, k / m)
+    ref = floor_mix(B.probabilities(w, k), 0.1, k / m)
+    got = shared_probabilities(w.copy(), k, 0.1, k / m)
     np.testing.assert_array_equal(got, ref)
     for u in (0.1, 0.7):
-        np.testing.assert_array_equal(B.walk_grouped(got, u), B.walk(ref, u))
+        np.testing.assert_array_equal(walk_grouped(got, u), B.walk(ref, u))
     # a sum that is not an integer: floor or ceil of it (natural walk)
     q = rs.random(m) * 0.6 + 0.013
     for u in (0.2, 0.9):
-        ids = B.walk_grouped(q, u)
+        ids = walk_grouped(q, u)
         assert ids.size in (int(np.floor(q.sum())), int(np.ceil(q.sum())))
         np.testing.assert_array_equal(ids, B.walk(q, u))
-    assert B.walk_grouped(np.zeros(m), 0.5).size == 0
+    assert walk_grouped(np.zeros(m), 0.5).size == 0
 
 
 @pytest.mark.parametrize("n,b", [(100, 32), (70_001, 8), (1003, 7)])

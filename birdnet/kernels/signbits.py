@@ -16,8 +16,8 @@ At the k-th worker on a segment's path, with received bits ``a`` and local bits 
 
 with ``W_a`` the number of processes the received operand stands for and ``W_b`` the receiver's
 (equal counts: ``W_a = k - 1``, ``W_b = 1``, so P(keep) = (k-1)/k). The paper's form
-``(a AND b) OR ((a XOR b) AND v)`` is the same thing with ``v = keep XOR b``
-(:func:`merge_paper`, used only to test the equivalence).
+``(a AND b) OR ((a XOR b) AND v)`` is the same thing with ``v = keep XOR b`` (tests/test_signbits.py
+checks the equivalence with that form written in NumPy).
 
 How the mask is drawn: a bit is kept when a uniform U in [0, 1) is below
 ``T = floor(P(keep) * 2**64) / 2**64`` (T from exact integer arithmetic on the counts). 64 lanes
@@ -41,7 +41,7 @@ from birdnet.kernels.rng import hash64 as _rand
 
 __all__ = [
     "nbytes_for", "pack_signs", "unpack_signs", "unpack_signs_add", "keep_threshold",
-    "bernoulli_mask", "merge_signbits", "merge_paper", "prepare_p", "abs_sum", "sq_sum",
+    "bernoulli_mask", "merge_signbits", "prepare_p", "abs_sum", "sq_sum",
     "sub_signs", "sub_scaled", "cascade_hop",
 ]
 
@@ -149,12 +149,6 @@ def _mask(thresh, seed, out):
         m = _keep_word(seed, w, thresh, _ALL)
         for i in range(cnt):
             out[start + i] = np.uint8((m >> np.uint64(8 * i)) & _B8)
-
-
-@njit(types.void(_U8, _U8, _U8, _U8), cache=True, nogil=True)
-def _merge_paper(a, b, v, out):
-    for i in range(a.shape[0]):
-        out[i] = (a[i] & b[i]) | ((a[i] ^ b[i]) & v[i])
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,17 +313,6 @@ def merge_signbits(a: np.ndarray, b: np.ndarray, out: np.ndarray, w_a: int, w_b:
     if not b.flags.writeable:
         b = np.array(b)
     _merge(a, b, out, np.uint64(keep_threshold(w_a, w_b)), np.uint64(int(seed) & ((1 << 64) - 1)))
-    return out
-
-
-def merge_paper(a: np.ndarray, b: np.ndarray, v: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The paper's form ``(a AND b) OR ((a XOR b) AND v)`` with an explicit ``v``."""
-    a, b, v = (np.ascontiguousarray(z, dtype=np.uint8) for z in (a, b, v))
-    if not (a.shape == b.shape == v.shape) or a.ndim != 1:
-        raise ValueError("a, b and v must be 1-D with the same length")
-    if out is None:
-        out = np.empty_like(a)
-    _merge_paper(np.array(a), np.array(b), np.array(v), out)
     return out
 
 
