@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundAborted, RoundRetry, check_descs
 from birdnet.daemon.peers import RoundTransport
+from birdnet.daemon.rounds import Phase, Round
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import begin_round, commit_round, pack_buffers
@@ -463,6 +464,10 @@ class RingWorker(threading.Thread):
         self.lane_closed_at: Any = None  #: the round key of the leader's last ``lane`` close seen here
         if net is not None and self.lane_allowed:
             net.on_lane = self._on_lane_message
+        #: the main loop's handlers of control messages between rounds (a ``lane`` message is
+        #: handled as PeerNet.poll receives it, _on_lane_message; data between rounds is stale)
+        self._handlers: dict[str, Callable[[dict[str, Any]], bool]] = {
+            "start": self.handle_start, "abort": self.handle_abort}
 
     # -- plumbing ---------------------------------------------------------------------------------
     def submit(self, rnd: LocalRound) -> None:
@@ -718,6 +723,7 @@ class RingWorker(threading.Thread):
             failed = self._data_phase(rnd, transport, None)
         except LaneGivenUp:
             # nothing of the round was written here (see the module docstring): run it once agreed
+            transport.round.phase = Phase.GIVEN_UP
             self._close_lane()
             self.lanes_given_up += 1
             rnd.stats.clear()
@@ -798,14 +804,25 @@ class RingWorker(threading.Thread):
                 self._expire_unstarted()
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
-            h = msg["h"] if msg is not None else {}
-            if h.get("t") == "abort":
-                self._on_abort_elsewhere(Abort.from_header(h))
-            # Only followers act on a start; the leader's own starts come back inside _lead.
-            if h.get("t") == "start" and m.follows(h):
-                self._follow_guarded(self._follow, msg, h.get("k"))
-            elif leader is not None and leader != self.rank and self.order:
+            handler = self._handlers.get(msg["h"].get("t")) if msg is not None else None
+            followed = handler(msg) if handler is not None else False
+            if not followed and leader is not None and leader != self.rank and self.order:
                 m.waiting_for_start(self, leader)
+
+    # -- control messages between rounds, by type (as the service's main loop dispatches clients') --
+    def handle_start(self, msg: dict[str, Any]) -> bool:
+        """A leader's ``start``: follow it (True). Only followers act on one; the leader's own
+        starts come back inside _lead."""
+        h = msg["h"]
+        if not self.membership.follows(h):
+            return False
+        self._follow_guarded(self._follow, msg, h.get("k"))
+        return True
+
+    def handle_abort(self, msg: dict[str, Any]) -> bool:
+        """An ``abort`` of a round this node is not running: remembered and passed on."""
+        self._on_abort_elsewhere(Abort.from_header(msg["h"]))
+        return False
 
     def _follow_guarded(self, follow: Callable[[Any], None], msg: Any, key: Any) -> None:
         """A follower's part of round ``key``; whatever goes wrong in it fails that round here only
@@ -833,11 +850,11 @@ class RingWorker(threading.Thread):
                     f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
                     "node did not submit it"))
 
-    def _wait_control(self, want: str, key: str, deadline: float, ring: Any, since: int) -> dict:
-        """Wait for a control message ``want`` of round ``key`` from the member before this node on
-        ``ring`` (the round's neighbours); ``since`` is net.neighbour_restarts when the round's
-        agreement began here."""
+    def _wait_control(self, want: str, rd: Round) -> dict:
+        """Wait until ``rd.deadline`` for a control message ``want`` of round ``rd`` from the member
+        before this node on its ring."""
         net = self.net
+        key, deadline, ring, since = rd.key, rd.deadline, rd.ring, rd.since
         while True:
             self._take_inbox()
             why = ring.gone(net, since)
@@ -918,15 +935,16 @@ class RingWorker(threading.Thread):
             net.poll(0.05)
             return
         key = rnd.key
-        deadline = rnd.ready_at + self.settings.round_timeout
-        since = net.neighbour_restarts
+        rd = Round(key, ring, net.neighbour_restarts, rnd.ready_at + self.settings.round_timeout)
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         lane = None
         try:
             ring.send(net, {"t": "start", "k": key, **ring.fields, "descs": [[self.rank, self._own_desc(rnd)]],
                             "more": [[k, [[self.rank, self._own_desc(self.ready[k])]]] for k in extras]})
-            h = self._wait_control("start", key, deadline, ring, since)
+            rd.phase = Phase.AGREEING
+            h = self._wait_control("start", rd)
             verdicts = self._verdicts_of_start(h, key, extras, ring)
+            rd.verdict = verdicts[0]
             go = {"t": "go", **ring.fields, **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
             lane = self._grant(verdicts)
             if lane is not None:
@@ -938,15 +956,17 @@ class RingWorker(threading.Thread):
                 # a member of the proposed ring is gone: start the round again once the ring re-forms
                 log.info("round %s: agreement on ring %s abandoned (%s); it will start again", key,
                          list(ring.members), exc)
+                rd.phase = Phase.RETRY
                 self._abort(key, f"rank {self.rank}: {exc}", retry=True)
                 net.poll(0.1)
                 return
+            rd.phase = Phase.FAILED
             self._close_lane()
             self._report(key, exc)
             self._finish(rnd, exc)
             return
         m.applied(self, ring, None)
-        self._granted(self._run_batch(verdicts, since, ring), lane)
+        self._granted(self._run_batch(verdicts, rd), lane)
 
     def _verdicts_of_start(self, h: dict[str, Any], key: str, extras: list[str], ring: Any) -> list[Verdict]:
         """The leader's verdicts on the rounds of its ``start`` ``h`` that came back round ``ring``:
@@ -969,10 +989,10 @@ class RingWorker(threading.Thread):
             raise ProtocolError(f"round {key}: bad process counts {counts!r} came back round the ring")
         return Verdict(key, problem is None, problem, error_class(descs), tuple(counts))
 
-    def _run_batch(self, verdicts: list[Verdict], since: int, ring: Any) -> bool:
-        """Run the agreed rounds in order on ``ring``. Once one fails in its data phase the rest of
-        the batch is failed here and aborted downstream, so no node waits for data that will not
-        come. True when every round of the batch ran here without an error."""
+    def _run_batch(self, verdicts: list[Verdict], agreed: Round) -> bool:
+        """Run the rounds of agreement ``agreed`` in order on its ring. Once one fails in its data
+        phase the rest of the batch is failed here and aborted downstream, so no node waits for data
+        that will not come. True when every round of the batch ran here without an error."""
         self.agreements += 1
         failed: BirdnetError | None = None
         all_ok = True
@@ -990,8 +1010,10 @@ class RingWorker(threading.Thread):
                                              "message": f"an earlier round of the same batch failed: {failed}"}))
             else:
                 counts = list(v.counts)
-                self.membership.note_contributors(rnd, counts, ring)
-                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, since, neighbours=ring), counts)
+                self.membership.note_contributors(rnd, counts, agreed.ring)
+                rd = Round(v.key, agreed.ring, agreed.since, phase=Phase.RUNNING, verdict=v)
+                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, round=rd), counts)
+        agreed.phase = Phase.DONE if all_ok and failed is None else Phase.FAILED
         return all_ok and failed is None
 
     def _follow(self, h: dict[str, Any], sender: int | None = None) -> None:
@@ -1007,8 +1029,8 @@ class RingWorker(threading.Thread):
             return
         self._close_lane()  # a start: the leader is not in the lane (it closed it, or never opened it)
         start = {"t": "start", "k": key, **ring.fields}
-        deadline = time.monotonic() + self.settings.round_timeout
-        since = net.neighbour_restarts
+        rd = Round(key, ring, net.neighbour_restarts, time.monotonic() + self.settings.round_timeout)
+        since = rd.since
         # Wait until this node's processes have submitted the round the leader chose. The inbox is
         # read before every wait: the service thread's wake-up may already have been consumed by
         # the poll that delivered this start, and waiting on it again would add a whole poll period.
@@ -1021,7 +1043,7 @@ class RingWorker(threading.Thread):
             m.overtaken(self, key, ring.leader)
             if self.stopping:
                 return
-            if time.monotonic() > deadline:
+            if time.monotonic() > rd.deadline:
                 descs.append([self.rank, {"error": f"the processes on node rank {self.rank} did not submit "
                                                    f"round {key} within round_timeout"}])
                 ring.send(net, {**start, "descs": descs, "more": []})
@@ -1040,7 +1062,7 @@ class RingWorker(threading.Thread):
                 # this node failed the round already (alone, before any verdict): fail it everywhere
                 descs.append([self.rank, {"error": t.message, "error_class": t.error_class}])
                 ring.send(net, {**start, "descs": descs, "more": []})
-                self._pass_go(key, ring, since)
+                self._pass_go(rd)
                 return
             gone = self._departed_before(key)
             if gone is not None:
@@ -1048,7 +1070,7 @@ class RingWorker(threading.Thread):
                 descs.append([self.rank, {"error": f"node rank {self.rank}: {gone}",
                                           "error_class": "ProcessLostError"}])
                 ring.send(net, {**start, "descs": descs, "more": []})
-                self._pass_go(key, ring, since)
+                self._pass_go(rd)
                 return
             msg = net.poll(0.02)
             if msg is None or not ring.from_left(msg):
@@ -1071,13 +1093,16 @@ class RingWorker(threading.Thread):
         kept = extend_batch(h.get("more"), self.ready, self._own_entry)
         ring.send(net, {**start, "descs": descs, "more": kept})
         try:
-            g = self._wait_control("go", key, rnd.ready_at + self.settings.round_wait_timeout, ring, since)
+            g = self._wait_control("go", rd.wait_until(rnd.ready_at + self.settings.round_wait_timeout,
+                                                       Phase.AGREEING))
             if not ring.matches_go(g):
                 raise ProtocolError(f"round {key}: the go message does not match its start")
         except (BirdnetError, RoundRetry) as exc:
             if m.retries(exc):
+                rd.phase = Phase.RETRY
                 self._abort(key, f"rank {self.rank}: {exc}", retry=True)
                 return  # the round stays waiting for the leader's next start
+            rd.phase = Phase.FAILED
             self._report(key, exc)
             self._finish(rnd, exc)
             return
@@ -1089,13 +1114,14 @@ class RingWorker(threading.Thread):
                 return
         m.applied(self, ring, g)
         verdicts = verdicts_of_go(g, key, ring.world, self.ready)
+        rd.verdict = verdicts[0]
         lane = g.get("lane")
         if not (self.lane_allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
                 and is_int(lane[1])):
             lane = None
         if lane is not None:
             self._expect_lane(lane[0], lane[1])  # before the batch runs: see _expect_lane
-        self._granted(self._run_batch(verdicts, since, ring), lane)
+        self._granted(self._run_batch(verdicts, rd), lane)
 
     def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
@@ -1105,26 +1131,32 @@ class RingWorker(threading.Thread):
         else:
             self._close_lane()
 
-    def _pass_go(self, key: str, ring: Any, since: int) -> None:
-        """Forward the leader's verdict on a round this node has no local part in."""
+    def _pass_go(self, rd: Round) -> None:
+        """Forward the leader's verdict on round ``rd``, which this node has no local part in."""
         try:
-            g = self._wait_control("go", key, time.monotonic() + self.settings.pass_go_timeout, ring, since)
+            g = self._wait_control("go", rd.wait_until(time.monotonic() + self.settings.pass_go_timeout,
+                                                       Phase.AGREEING))
         except (BirdnetError, RoundRetry):
             return
-        if ring.right_rank != ring.leader:
-            ring.send(self.net, g)
+        finally:
+            rd.phase = Phase.FAILED  # this node's part of the round was an error description
+        if rd.ring.right_rank != rd.ring.leader:
+            rd.ring.send(self.net, g)
 
     def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
         """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already
         reported) or None. A lane round given up raises LaneGivenUp (RingWorker._run_lane)."""
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
+        rd: Round | None = getattr(transport, "round", None)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts)
         except LaneGivenUp:
             raise
         except BirdnetError as exc:
+            if rd is not None:
+                rd.phase = Phase.FAILED
             self._report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
@@ -1133,9 +1165,13 @@ class RingWorker(threading.Thread):
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
             self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
+            if rd is not None:
+                rd.phase = Phase.FAILED
             err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
             self._finish(rnd, err)
             return err
+        if rd is not None:
+            rd.phase = Phase.DONE
         if counts is None:
             # counted before the processes hear of the result: a status they ask for next shows it
             self.lane_rounds += 1

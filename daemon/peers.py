@@ -59,6 +59,7 @@ from birdnet.daemon.membership import (  # noqa: F401 - RoundAborted, LaneGivenU
     RingNeighbours,
     RoundAborted,
 )
+from birdnet.daemon.rounds import Phase, Round
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
@@ -918,26 +919,39 @@ def _earlier_of_job(other: Any, key: str) -> bool:
 
 class RoundTransport:
     """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
-    messages with the round key, drops stale ones, notices aborts and lost peers. ``neighbours``
-    (FixedNeighbours by default, RingNeighbours in elastic mode) says who is in the round and who
-    its left and right are; the rest is the same on both rings."""
+    messages with the round key and returns the round's data, nothing else. The control messages
+    that arrive meanwhile are dispatched by type to the ``handle_*`` methods (an abort of this
+    round fails it, a new start or a lane close gives it up, the rest is stale or another round's).
+    Its :class:`~birdnet.daemon.rounds.Round` says which round, on which ring (``neighbours``:
+    FixedNeighbours by default, RingNeighbours in elastic mode) and since when; the rest is the same
+    on both rings."""
 
     def __init__(self, net: Any, key: str, restarts_at: int | None = None, lane: bool = False,
-                 neighbours: FixedNeighbours | RingNeighbours | None = None) -> None:
-        self.net, self.key = net, key
-        self.neighbours = FixedNeighbours(net) if neighbours is None else neighbours
+                 neighbours: FixedNeighbours | RingNeighbours | None = None, round: Round | None = None) -> None:
+        if round is None:
+            round = Round(key, FixedNeighbours(net) if neighbours is None else neighbours,
+                          net.neighbour_restarts if restarts_at is None else restarts_at, lane=lane,
+                          phase=Phase.RUNNING)
+        self.net, self.round = net, round
+        self.key, self.neighbours = round.key, round.ring
         #: a lane round (started without an agreement): its messages say so, and waiting for data
         #: is waiting for the other nodes' processes too (round_timeout, not peer_timeout)
-        self.lane = lane
+        self.lane = round.lane
         #: net.neighbour_restarts when the round's agreement began: a change fails the round
-        self.restarts_at = net.neighbour_restarts if restarts_at is None else restarts_at
+        self.restarts_at = round.since
         self.rank, self.world = self.neighbours.rank, self.neighbours.world
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.interrupt: dict | None = None  # a "start" for another round that arrived meanwhile
         self.trackers: list[Any] = []
         #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
         self.on_other_abort: Any = None
+        self._handlers = {"data": self.handle_data, "abort": self.handle_abort, "start": self.handle_start,
+                          "lane": self.handle_lane, "go": self.handle_go}
+
+    @property
+    def interrupt(self) -> dict | None:
+        """A ``start`` of another round that arrived meanwhile (the ring worker follows it next)."""
+        return self.round.interrupt
 
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
@@ -1010,37 +1024,62 @@ class RoundTransport:
             msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
             if msg is None or not nb.accepts(msg):
                 continue
-            h = msg["h"]
-            a = Abort.from_header(h) if h.get("t") == "abort" else None
-            if a is not None and a.key in (self.key, None):
-                raise RoundAborted.of(a)
-            if a is not None and a.origin is not None and nb.other_aborts and self.on_other_abort is not None:
-                self.on_other_abort(a)
-                if self.lane and _earlier_of_job(a.key, self.key):
-                    # An earlier round of this job failed somewhere. The node that failed it closed
-                    # its lane and joins this round only once it is agreed, so no node can finish a
-                    # segment of it: give it up and run it agreed (the job loses no second call).
-                    # (A later one's failure is only remembered: this round can still complete.)
-                    raise LaneGivenUp(self.key)
+            handler = self._handlers.get(msg["h"].get("t"))
+            if handler is None or not handler(msg):
                 continue
-            if not nb.from_left(msg):
-                continue
-            if h.get("t") == "start":
-                self.interrupt = msg
-                if self.lane:  # the leader is not in the lane: it never joined this round
-                    raise LaneGivenUp(self.key)
-                raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
-            if h.get("t") == "lane":
-                if self.lane and h.get("req") and self.rank == 0:
-                    # a node asks the leader to close the lane, and the leader is in the round already
-                    raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
-                if self.lane and h.get("k") == self.key and not h.get("req"):
-                    raise LaneGivenUp(self.key)
-                continue
-            if h.get("t") != "data" or h.get("k") != self.key or bool(h.get("ln")) != self.lane:
-                continue  # stale: a message of an earlier, failed round (or a lane round given up)
-            # data that came after lost messages is not used; control messages above are handled
-            # first (a start or an abort of another round must not be lost with this one)
+            # data that came after lost messages is not used; control messages are handled first
+            # (a start or an abort of another round must not be lost with this one)
             self._check_gap()
             self.bytes_received += self.net.bytes_received - before
-            return h, msg["b"]
+            return msg["h"], msg["b"]
+
+    # -- the round's messages, by type (each True only for data this round takes) -----------------
+    def handle_data(self, msg: dict[str, Any]) -> bool:
+        """This round's data from the left; anything else is stale (a message of an earlier,
+        failed round, or of a lane round given up)."""
+        h = msg["h"]
+        return self.neighbours.from_left(msg) and h.get("k") == self.key and bool(h.get("ln")) == self.lane
+
+    def handle_abort(self, msg: dict[str, Any]) -> bool:
+        """An abort of this round fails it; one of another round (fixed ring: it names its origin)
+        is the ring worker's to remember and pass on."""
+        a = Abort.from_header(msg["h"])
+        if a is None:
+            return False
+        if a.key in (self.key, None):
+            raise RoundAborted.of(a)
+        if a.origin is not None and self.neighbours.other_aborts and self.on_other_abort is not None:
+            self.on_other_abort(a)
+            if self.lane and _earlier_of_job(a.key, self.key):
+                # An earlier round of this job failed somewhere. The node that failed it closed
+                # its lane and joins this round only once it is agreed, so no node can finish a
+                # segment of it: give it up and run it agreed (the job loses no second call).
+                # (A later one's failure is only remembered: this round can still complete.)
+                raise LaneGivenUp(self.key)
+        return False
+
+    def handle_start(self, msg: dict[str, Any]) -> bool:
+        """The leader started an agreement: this round was abandoned upstream (a lane round: the
+        leader never joined it). The start is kept for the ring worker to follow."""
+        if not self.neighbours.from_left(msg):
+            return False
+        self.round.interrupt = msg
+        if self.lane:
+            raise LaneGivenUp(self.key)
+        raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
+
+    def handle_lane(self, msg: dict[str, Any]) -> bool:
+        """The leader closes the lane at this round (a lane round gives it up), or a node asks the
+        leader to close it while the leader is in the round already (it fails)."""
+        h = msg["h"]
+        if not self.neighbours.from_left(msg) or not self.lane:
+            return False
+        if h.get("req") and self.rank == 0:
+            raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
+        if h.get("k") == self.key and not h.get("req"):
+            raise LaneGivenUp(self.key)
+        return False
+
+    def handle_go(self, msg: dict[str, Any]) -> bool:
+        """A go during a data phase is an earlier agreement's, passed on late: stale."""
+        return False

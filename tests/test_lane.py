@@ -230,7 +230,7 @@ def test_lane_transport_reactions():
     t = RoundTransport(_StubNet([start]), "J/5", lane=True)
     with pytest.raises(LaneGivenUp):
         t.recv(soon)
-    assert t.interrupt is start
+    assert t.interrupt is start and t.round.interrupt is start  # the round object keeps it
     # an agreed round never takes lane data, and a lane round waits round_timeout, not peer_timeout
     t = RoundTransport(_StubNet([_data("J/5"), _data("J/5", lane=False)]), "J/5")
     assert "ln" not in t.recv(soon)[0]

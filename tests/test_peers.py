@@ -299,6 +299,7 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     to come back round."""
     from birdnet.daemon.engine import RingWorker, RoundRunner, StateStore
     from birdnet.daemon.peers import RingNeighbours, RoundAborted
+    from birdnet.daemon.rounds import Round
     net, settings, peer, listen = elastic
     to1 = listen(1)
     w = RingWorker(settings, 0, 3, net, RoundRunner(settings, StateStore(1 << 20)), lambda rnd: None)
@@ -308,12 +309,12 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     left.send_multipart(elastic_ping(settings, 2, 3))
     t = time.monotonic()
     with pytest.raises(PeerLostError, match=r"round j/4: 1 message\(s\) from rank 2") as got:
-        w._wait_control("start", "j/4", time.monotonic() + 30, ring, net.neighbour_restarts)
+        w._wait_control("start", Round("j/4", ring, net.neighbour_restarts, time.monotonic() + 30))
     assert not isinstance(got.value, RoundAborted)  # the leader's caller retries on this
     assert time.monotonic() - t < 5
     left.send_multipart(elastic_ping(settings, 2, 5))
     with pytest.raises(RoundAborted, match=r"round j/5: 1 message\(s\) from rank 2"):
-        w._wait_control("go", "j/5", time.monotonic() + 30, ring, net.neighbour_restarts)
+        w._wait_control("go", Round("j/5", ring, net.neighbour_restarts, time.monotonic() + 30))
     # waiting for a start (a round of its own is ready): the leader, rank 1, is asked to start again
     w.order = ["j/6"]
     left.send_multipart(elastic_ping(settings, 2, 7))
