@@ -465,8 +465,10 @@ class Daemon:
             s.unmapped.release_fd()
             s.unmapped = None
             self._forget_tokens(identity)
-        creds = peer_credentials(frames[1]) if header.get("t") == "hello" else None
-        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds)
+        hello = header.get("t") == "hello"
+        creds = peer_credentials(frames[1]) if hello else None
+        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds,
+                      source_fd(frames[1]) if hello else None)
 
     def handle_bell(self, identity: bytes) -> None:
         """Calls a process wrote into its submit FIFO (birdnet.door.Bell); errors go back over the
@@ -486,7 +488,7 @@ class Daemon:
             self.reply(identity, {"t": "error", "call": None, **to_wire(err)})
 
     def dispatch(self, identity: bytes, header: dict[str, Any], allowed: tuple[str, ...],
-                 creds: tuple[int, int, int] | None = None) -> None:
+                 creds: tuple[int, int, int] | None = None, fd: int | None = None) -> None:
         try:
             t = header.get("t")
             handler = getattr(self, f"handle_{t}", None) if t in allowed else None
@@ -494,7 +496,7 @@ class Daemon:
                 raise ProtocolError(f"unknown request {t!r}")
             check_request(header)
             if t == "hello":
-                self.handle_hello(identity, header, creds)
+                self.handle_hello(identity, header, creds, fd)
             else:
                 handler(identity, header)
         except BirdnetError as exc:
@@ -505,7 +507,10 @@ class Daemon:
             err = InputError(f"request failed inside birdnetd: {exc!r}")
             self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(err)})
 
-    def handle_hello(self, identity: bytes, h: dict[str, Any], creds: tuple[int, int, int] | None = None) -> None:
+    def handle_hello(self, identity: bytes, h: dict[str, Any], creds: tuple[int, int, int] | None = None,
+                     fd: int | None = None) -> None:
+        """``creds``: the kernel's (uid, gid, pid) of the connection; ``fd``: the daemon's descriptor
+        of the connection the hello came through (None where libzmq does not say)."""
         if h.get("proto") != PROTOCOL_VERSION:
             from birdnet.errors import VersionMismatchError
             raise VersionMismatchError(f"client speaks protocol {h.get('proto')!r}, birdnetd {__version__} speaks "
@@ -517,7 +522,7 @@ class Daemon:
         # Connections accepted before this hello was read are in the monitor's queue by now (an
         # accept is reported before the connection can carry a message): take them first, so a
         # disconnect of this process's previous connection cannot end the session made here.
-        self.handle_connections()
+        drained = self.handle_connections()
         if pid > MAX_PID:  # check_request bounds it; os.kill and the reaper need a C int
             raise InputError(f"hello: field 'pid' is {pid}, outside 1..{MAX_PID}")
         uid = None
@@ -531,6 +536,13 @@ class Daemon:
                 log.info("hello of job %r says pid %d, the kernel says pid %d (uid %d): taking the kernel's",
                          job, pid, kernel_pid, uid)
             pid = kernel_pid
+        conn = self.connections.get(fd) if fd is not None else None
+        if drained and fd is not None and (conn is None or conn[0] not in (None, pid)):
+            # the connection closed before its hello was read (the process gave up waiting,
+            # connect_timeout): a session now could never hear from it again, and the disconnect
+            # that would have ended it has been taken already (a number reused since: another's)
+            log.info("hello of pid %d for job %r came after its connection closed: no session", pid, job)
+            return
         if identity in self.sessions:
             self.end_session(identity, "re-hello")
         same = [x for x in self.sessions.values() if x.job == job and x.pid == pid]
@@ -949,13 +961,14 @@ class Daemon:
             del self.fd_tokens[t]
 
     # -- connections ------------------------------------------------------------------------------
-    def handle_connections(self) -> None:
+    def handle_connections(self) -> bool:
+        """Take the client socket's accepts and disconnects (4096 at most); True when none is left."""
         from zmq.utils.monitor import recv_monitor_message
         for _ in range(4096):
             try:
                 ev = recv_monitor_message(self.conn_monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             fd = ev.get("value")
             if not isinstance(fd, int):
                 continue
@@ -973,6 +986,7 @@ class Daemon:
                     for identity, s in list(self.sessions.items()):
                         if s.pid == pid:
                             self.end_session(identity, "connection closed")
+        return False
 
     def drop_idle_connections(self) -> None:
         """Connections that said no hello within HELLO_TIMEOUT (a real client says it at once) and
@@ -1181,6 +1195,16 @@ def _peer_pid(fd: int) -> int | None:
         return None
     finally:
         sock.close()
+
+
+def source_fd(frame: Any) -> int | None:
+    """The daemon's descriptor of the connection a message came through (libzmq's ZMQ_SRCFD), or
+    None where libzmq does not report it."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
 
 
 def peer_credentials(frame: Any) -> tuple[int, int, int] | None:

@@ -739,3 +739,44 @@ def test_segment_of_a_process_of_another_user_is_sealed_too(tmp_path):
         subprocess.run(["userdel", user], capture_output=True)
         subprocess.run(["groupdel", group], capture_output=True)
         subprocess.run(["rm", "-rf", str(d)])
+
+
+@pytest.mark.timeout(60)
+def test_hello_read_after_its_connection_closed_leaves_no_session(node):
+    """A process that gives up on its hello (connect_timeout) and closes its socket while the
+    daemon is busy: the daemon then finds the hello and the disconnect at once. Taken in that
+    order, the session outlived its only connection for as long as the process lived, a member of
+    the job that could never submit (a second job's rounds then waited on it)."""
+    import signal
+    socks = []
+    try:
+        for _ in range(5):
+            r = node.raw()
+            socks.append(r)
+            r.s.setsockopt(zmq.LINGER, 2000)  # the hello must leave before the socket closes
+        time.sleep(0.5)  # connected and handshaken, nothing said yet
+        os.kill(node.pid, signal.SIGSTOP)  # busy: nothing of what follows is read until SIGCONT
+        try:
+            for i, r in enumerate(socks):
+                r.send({"t": "hello", "proto": PROTOCOL_VERSION, "job": f"gaveup{i}", "pid": os.getpid()})
+                r.s.close()  # gives up; LINGER hands the hello to the kernel first
+            time.sleep(0.3)
+        finally:
+            os.kill(node.pid, signal.SIGCONT)
+        # the daemon reads the hellos before a new connection of this process can take a closed
+        # one's descriptor number (a hello whose number is another live connection's of the same
+        # process is taken: that corner is left, the process's next hello for the job replaces it)
+        time.sleep(1.0)
+        deadline = time.monotonic() + 10
+        with Client(node.sock, job="__status__", connect_timeout=5.0) as c:
+            while True:
+                left = [j for j in c.status()["jobs"] if j.startswith("gaveup")]
+                if not left or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert left == [], f"sessions of closed connections stayed: {left}"
+    finally:
+        for r in socks:
+            if not r.s.closed:
+                r.close()
+    node.healthy()
