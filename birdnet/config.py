@@ -61,6 +61,10 @@ class Settings:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str | None = None  #: file with this node's CURVE secret key (enables CURVE)
     curve_allowed_keys: str | None = None  #: file with allowed peer public keys, one per line
+    #: addresses and networks that may connect to the peer port ("10.0.0.0/24 fd00::/64", "hosts" for
+    #: the hosts file's addresses); "" = any. Checked in the handshake, before any message is taken
+    #: (daemon/security.py); without CURVE the one bound on what strangers can send
+    peer_allowed_networks: str = ""
     shm_group: str | None = None  #: group that may use the client socket and shared memory
     log_level: str = "INFO"
     #: cluster-wide when on: go on without a lost node (the ring re-forms among the live nodes once a

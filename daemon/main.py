@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--curve-secret-key", metavar="FILE", help="this node's CURVE secret key file (birdnet keygen); "
       "enables authenticated, encrypted peer links")
     a("--curve-allowed-keys", metavar="FILE", help="file of peer public keys allowed to connect, one per line")
+    a("--peer-allowed-networks", metavar="NETS", help="addresses and networks that may connect to the peer "
+      "port, comma-separated (e.g. 10.0.0.0/24,fd00::/64), or 'hosts' for the hosts file's addresses; "
+      "others are refused in the handshake, before any message (default: any address)")
     a("--shm-group", help="group allowed to use the client socket and shared memory (default: owner only)")
     a("--elastic", action="store_true", default=None, help="go on without a lost node: after peer_timeout "
       "the ring re-forms among the live nodes (a majority of the hosts file must be live) and takes a "

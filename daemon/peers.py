@@ -66,6 +66,7 @@ from birdnet.config import Settings
 from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundTimeoutError, ShutdownError
 from birdnet.hosts import Peer
 from birdnet.messages import Abort
+from birdnet.osutil import release_freed_memory
 
 log = logging.getLogger("birdnet.peers")
 
@@ -159,6 +160,9 @@ def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
     s.setsockopt(zmq.SNDHWM, REPLY_HWM if kind == zmq.ROUTER else 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if kind == zmq.ROUTER and settings.peer_allowed_networks:
+        from birdnet.daemon.security import configure_zap
+        configure_zap(s)  # the daemon's ZAP handler refuses addresses outside them, before any message
     return s
 
 
@@ -280,7 +284,10 @@ class PeerNet:
         failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.dealer_monitor = self.dealer.get_monitor_socket(failed | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self.router_monitor = self.router.get_monitor_socket(failed)
+        # and disconnections: a connection that ends may leave malloc holding what libzmq kept of
+        # it (a multipart message without end: everything it sent, docs/security.md)
+        self.router_monitor = self.router.get_monitor_socket(failed | zmq.EVENT_DISCONNECTED)
+        self._trim_at = 0.0  #: when to hand freed memory back to the kernel (0: nothing to do)
         self.handshake_failures = 0
         me = peers[rank]
         host = _resolve(me.host)
@@ -375,11 +382,19 @@ class PeerNet:
     def _handshake_event(self, side: str, event: int, value: Any, endpoint: Any) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
+        if event == zmq.EVENT_DISCONNECTED:
+            # libzmq's I/O thread frees the connection's pipe just after it reports this
+            self._trim_at = time.monotonic() + 0.5
+            return
         self.handshake_failures += 1
         if side == "dealer":
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve is None:
+                reason = (f"right neighbour rank {self.right.rank} ({self.right.address}) refused this node's "
+                          f"address (status {value}); add it to that node's peer_allowed_networks")
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 reason = (f"right neighbour rank {self.right.rank} ({self.right.address}) refused this node's CURVE "
-                          f"key (status {value}); add this node's birdnet.pub to its curve_allowed_keys")
+                          f"key or its address (status {value}); add this node's birdnet.pub to its "
+                          "curve_allowed_keys, or its address to its peer_allowed_networks")
             elif self.curve is None:
                 reason = (f"handshake with right neighbour rank {self.right.rank} ({self.right.address}) failed: "
                           "it requires CURVE (curve_secret_key) and this node does not use it")
@@ -390,7 +405,7 @@ class PeerNet:
                 log.error("%s", reason)
             self.refused_by_right = reason
         elif self.handshake_failures <= 20 or self.handshake_failures % 1000 == 0:
-            why = "unknown CURVE key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else (
+            why = "refused by the authenticator (address or CURVE key)" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else (
                 "no CURVE (plaintext peer) or a protocol error" if self.curve is not None else "protocol error")
             log.warning("refused a connection on the peer port: %s (event %d, value %s; %d so far)", why, event,
                         value, self.handshake_failures)
@@ -588,6 +603,9 @@ class PeerNet:
         deadline = time.monotonic() + timeout
         while True:
             self.maybe_ping()
+            if self._trim_at and time.monotonic() >= self._trim_at:
+                self._trim_at = 0.0
+                release_freed_memory()
             if self._ready:
                 return self._ready.popleft()
             remaining = deadline - time.monotonic()

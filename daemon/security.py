@@ -22,12 +22,22 @@ Settings:
 
 The allow-list is checked by a ZAP handler (ZeroMQ RFC 27) running on a thread of the daemon's
 context, bound before any socket uses CURVE.
+
+``peer_allowed_networks`` (with or without CURVE)
+    addresses and networks (``10.0.0.0/24``, ``fd00::/64``, ``192.168.1.7``, comma- or
+    space-separated) that may connect to the peer port, and the word ``hosts`` for every hosts-file
+    address (names resolved at start-up). The same ZAP handler refuses a connection from any other
+    address during the handshake, before libzmq takes a single frame of a message from it: without
+    CURVE the one bound on what a stranger can make the daemon hold (docs/security.md, "a multipart
+    message without end"). Empty (the default): any address.
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -131,16 +141,60 @@ def _check_distinct(keys: dict[int, bytes], peers: Sequence[Any], path: str) -> 
                               "(birdnet keygen) and list each node's birdnet.pub")
 
 
-class Curve:
-    """Keys plus the ZAP handler thread. ``configure_server``/``configure_client`` set up sockets;
-    ``close`` stops the handler (before the context is terminated)."""
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-    def __init__(self, ctx: zmq.Context, public: bytes, secret: bytes, allowed: dict[int, bytes],
-                 peers: Sequence[Any]) -> None:
-        self.ctx, self.public, self.secret = ctx, public, secret
-        self.allowed = allowed
-        self.peers = list(peers)
-        self.names = {k: f"rank {r} ({self.peers[r].address})" for r, k in allowed.items()}
+
+def read_allowed_networks(text: str, peers: Sequence[Any]) -> list[Network]:
+    """The networks of a ``peer_allowed_networks`` value (see the module docstring); [] = any address."""
+    out: list[Network] = []
+    for word in text.replace(",", " ").split():
+        if word == "hosts":
+            for p in peers:
+                host = p.host.split("%", 1)[0]  # a link-local address's interface is no part of it
+                try:
+                    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+                except socket.gaierror as exc:
+                    raise ConfigError(f"peer_allowed_networks: cannot resolve hosts-file entry {p.address} "
+                                      f"({exc.strerror}); list its address instead of 'hosts'") from None
+                out += [ipaddress.ip_network(str(i[4][0]).split("%", 1)[0]) for i in infos]
+            continue
+        try:
+            out.append(ipaddress.ip_network(word, strict=False))
+        except ValueError:
+            raise ConfigError(f"peer_allowed_networks: {word!r} is not an address or a network (write e.g. "
+                              "10.0.0.0/24, fd00::/64, 192.168.1.7, or 'hosts' for the hosts file's addresses)") from None
+    return sorted(set(out), key=str)
+
+
+def plain_address(address: str) -> str:
+    """A ZAP request's address as an operator writes it (an IPv4 peer of a dual-stack listener
+    arrives as ``::ffff:a.b.c.d``)."""
+    try:
+        mapped = getattr(ipaddress.ip_address(address), "ipv4_mapped", None)
+    except ValueError:
+        return address
+    return str(mapped) if mapped is not None else address
+
+
+def address_allowed(address: str, networks: Sequence[Network]) -> bool:
+    """Whether a ZAP request's peer address (an IP without port; an IPv4 peer of a dual-stack
+    listener shows as ``::ffff:a.b.c.d``) is in one of ``networks``."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0].strip("[]"))
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return any(ip in n or (mapped is not None and mapped in n) for n in networks)
+
+
+class ZapHandler:
+    """The peer port's ZAP handler (RFC 27) on a thread of the daemon's context: refuses connections
+    from outside ``networks`` (when given); subclasses check more (Curve: the key). ``close`` stops
+    it (before the context is terminated)."""
+
+    def __init__(self, ctx: zmq.Context, networks: Sequence[Network] = ()) -> None:
+        self.ctx = ctx
+        self.networks = list(networks)
         self.refused = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -149,41 +203,30 @@ class Curve:
         self._thread.start()
         self._ready.wait(5)
         if self._error is not None:
-            raise ConfigError(f"cannot start the CURVE authenticator: {self._error}")
+            raise ConfigError(f"cannot start the peer port's authenticator (ZAP): {self._error}")
 
-    @classmethod
-    def from_settings(cls, settings, ctx: zmq.Context, peers: Sequence[Any] | None = None) -> "Curve":
-        if not zmq.has("curve"):
-            raise ConfigError("curve_secret_key is set but this libzmq has no CURVE support")
-        if not settings.curve_allowed_keys:
-            raise ConfigError("curve_secret_key is set but curve_allowed_keys is not; list the ring's public keys")
-        if peers is None:
-            from birdnet.hosts import load_hosts
-            peers = load_hosts(settings.peers)
-        public, secret = read_secret_key(settings.curve_secret_key)
-        allowed = read_allowed_keys(settings.curve_allowed_keys, peers)
-        return cls(ctx, public, secret, allowed, peers)
+    def _note_refusal(self, text: str, *args: Any) -> None:
+        self.refused += 1
+        if self.refused <= 20 or self.refused % 1000 == 0:
+            log.warning(text + " (%d refused so far)", *args, self.refused)
 
-    def configure_server(self, sock: zmq.Socket) -> None:
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
-        # Without this, a missing ZAP handler would mean "accept everyone" (libzmq < 4.3 behaviour).
-        try:
-            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-        except (AttributeError, zmq.ZMQError):
-            pass  # a libzmq without draft options: the handler below is bound first anyway
+    def _address_refusal(self, version: bytes, request_id: bytes, address: bytes) -> list[bytes] | None:
+        who = plain_address(address.decode(errors="replace")) or "?"
+        if self.networks and not address_allowed(who, self.networks):
+            self._note_refusal("refused a peer connection from %s: not in peer_allowed_networks (%s)", who,
+                               ", ".join(map(str, self.networks)))
+            return [version, request_id, b"400", b"address not allowed", b"", b""]
+        return None
 
-    def configure_client(self, sock: zmq.Socket, server: Any) -> None:
-        key = self.allowed.get(server.rank)
-        if key is None:  # pragma: no cover - read_allowed_keys guarantees one per rank
-            raise ConfigError(f"no CURVE public key for rank {server.rank} ({server.address})")
-        sock.setsockopt(zmq.CURVE_SERVERKEY, key)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) < 6:
+            return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"bad ZAP request", b"", b""]
+        version, request_id, domain, address = frames[:4]
+        if domain != ZAP_DOMAIN.encode():
+            return [version, request_id, b"200", b"OK", b"", b""]  # another socket of this context: not ours
+        return self._address_refusal(version, request_id, address) or [version, request_id, b"200", b"OK", b"", b""]
 
-    # -- the ZAP handler ----------------------------------------------------------------------------
+    # -- the handler's thread ------------------------------------------------------------------------
     def _serve(self) -> None:
         name_os_thread("birdnet-zap")
         try:
@@ -207,33 +250,83 @@ class Curve:
         finally:
             sock.close(0)
 
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def configure_zap(sock: zmq.Socket) -> None:
+    """Have the peer ROUTER ask the ZAP handler about every connection (with the NULL mechanism too)."""
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    # Without this, a missing ZAP handler would mean "accept everyone" (libzmq < 4.3 behaviour).
+    try:
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except (AttributeError, zmq.ZMQError):
+        pass  # a libzmq without draft options: the handler is bound before the socket anyway
+
+
+class Curve(ZapHandler):
+    """Keys plus the ZAP handler (address, then key). ``configure_server``/``configure_client`` set
+    up sockets."""
+
+    def __init__(self, ctx: zmq.Context, public: bytes, secret: bytes, allowed: dict[int, bytes],
+                 peers: Sequence[Any], networks: Sequence[Network] = ()) -> None:
+        self.public, self.secret = public, secret
+        self.allowed = allowed
+        self.peers = list(peers)
+        self.names = {k: f"rank {r} ({self.peers[r].address})" for r, k in allowed.items()}
+        super().__init__(ctx, networks)
+
+    @classmethod
+    def from_settings(cls, settings, ctx: zmq.Context, peers: Sequence[Any] | None = None) -> "Curve":
+        if not zmq.has("curve"):
+            raise ConfigError("curve_secret_key is set but this libzmq has no CURVE support")
+        if not settings.curve_allowed_keys:
+            raise ConfigError("curve_secret_key is set but curve_allowed_keys is not; list the ring's public keys")
+        if peers is None:
+            from birdnet.hosts import load_hosts
+            peers = load_hosts(settings.peers)
+        public, secret = read_secret_key(settings.curve_secret_key)
+        allowed = read_allowed_keys(settings.curve_allowed_keys, peers)
+        return cls(ctx, public, secret, allowed, peers, read_allowed_networks(settings.peer_allowed_networks, peers))
+
+    def configure_server(self, sock: zmq.Socket) -> None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        configure_zap(sock)
+
+    def configure_client(self, sock: zmq.Socket, server: Any) -> None:
+        key = self.allowed.get(server.rank)
+        if key is None:  # pragma: no cover - read_allowed_keys guarantees one per rank
+            raise ConfigError(f"no CURVE public key for rank {server.rank} ({server.address})")
+        sock.setsockopt(zmq.CURVE_SERVERKEY, key)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
     def _answer(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 6:
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"bad ZAP request", b"", b""]
         version, request_id, domain, address, _identity, mechanism = frames[:6]
         creds = frames[6:]
         who = address.decode(errors="replace") or "?"
+        if domain != ZAP_DOMAIN.encode() and mechanism != b"CURVE":
+            # Another socket of this context without CURVE (e.g. the local client socket): not ours.
+            return [version, request_id, b"200", b"OK", b"", b""]
+        refusal = self._address_refusal(version, request_id, address)
+        if refusal is not None:
+            return refusal
         if mechanism == b"CURVE" and creds and len(creds[0]) == 32:
             key = zmq.utils.z85.encode(creds[0])
             name = self.names.get(key)
             if name is not None:
                 return [version, request_id, b"200", b"OK", name.encode(), b""]
-            self.refused += 1
-            if self.refused <= 20 or self.refused % 1000 == 0:
-                log.warning("refused a peer connection from %s: CURVE key %s is not in the allow-list "
-                            "(%d refused so far)", who, key.decode(), self.refused)
+            self._note_refusal("refused a peer connection from %s: CURVE key %s is not in the allow-list", who,
+                               key.decode())
             return [version, request_id, b"400", b"unknown CURVE key", b"", b""]
-        if domain != ZAP_DOMAIN.encode():
-            # Another socket of this context without CURVE (e.g. the local client socket): not ours.
-            return [version, request_id, b"200", b"OK", b"", b""]
-        self.refused += 1
-        log.warning("refused a peer connection from %s: mechanism %s, CURVE required", who,
-                    mechanism.decode(errors="replace"))
+        self._note_refusal("refused a peer connection from %s: mechanism %s, CURVE required", who,
+                           mechanism.decode(errors="replace"))
         return [version, request_id, b"400", b"CURVE required", b"", b""]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
 
 
 # -- birdnet keygen ------------------------------------------------------------------------------

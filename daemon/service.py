@@ -248,7 +248,7 @@ class Daemon:
         self.metrics = None
         from birdnet.daemon.metrics import RoundFigures
         self.figures = RoundFigures()
-        self.curve = None
+        self.zap = None  #: the peer port's ZAP handler (CURVE keys and/or peer_allowed_networks)
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
         self.max_sessions, self.max_connections = session_limits(self.world)
         self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
@@ -312,7 +312,12 @@ class Daemon:
             curve = None
             if self.settings.curve_secret_key:
                 from birdnet.daemon.security import Curve
-                curve = self.curve = Curve.from_settings(self.settings, self.ctx, self.peers)
+                curve = self.zap = Curve.from_settings(self.settings, self.ctx, self.peers)
+            elif self.settings.peer_allowed_networks:
+                from birdnet.daemon.security import ZapHandler, read_allowed_networks
+                # bound before the peer ROUTER exists: it asks the handler about every connection
+                self.zap = ZapHandler(self.ctx, read_allowed_networks(self.settings.peer_allowed_networks,
+                                                                         self.peers))
             self.ring_wake_rx = self.ctx.socket(zmq.PULL)
             self.ring_wake_rx.bind(f"inproc://birdnet-ring-wake-{id(self)}")
             self.ring_wake_tx = self.ctx.socket(zmq.PUSH)
@@ -1131,8 +1136,8 @@ class Daemon:
             self.metrics.stop()
         if self.net is not None:
             self.net.close()
-        if self.curve is not None:
-            self.curve.close()
+        if self.zap is not None:
+            self.zap.close()
         for sock in ("conn_monitor", "clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)

@@ -1,14 +1,18 @@
-"""A hostile peer against real daemons: raw ZeroMQ sockets on a daemon's peer port (no CURVE, so
-anyone who can reach the port may connect and, with a well-formed ping, pose as a neighbour;
-docs/security.md). Each test attacks, closes its sockets, and then asserts that every daemon is
-alive, still gives the exact result of an all-reduce, grew its resident memory by less than 64 MB
-and has as many file descriptors open as before the attack.
+"""A hostile peer against real daemons: raw ZeroMQ sockets, and a raw ZMTP client written from the
+spec, on a daemon's peer port (no CURVE, so anyone from the allowed addresses may connect and, with
+a well-formed ping, pose as a neighbour; docs/security.md). The ring runs with
+``--peer-allowed-networks hosts``: connections from 127.0.0.1 (the hosts file's address) pass,
+one from 127.0.0.5 is refused. Each test attacks, closes its sockets, and then asserts that every
+daemon is alive, still gives the exact result of an all-reduce, grew its resident memory by less
+than 64 MB and has as many file descriptors open as before the attack.
 
 One 2-node ring serves the whole module (starting daemons costs seconds on this machine); every test
 leaves it healthy for the next, which the post-conditions check."""
 from __future__ import annotations
 
 import os
+import socket
+import struct
 import time
 
 import fault_workers
@@ -23,7 +27,8 @@ from birdnet.config import Settings
 pytestmark = pytest.mark.timeout(120)
 
 MAX_MESSAGE = 4 << 20  # the ring's --max-message-bytes: an over-limit message is cheap to make
-EXTRA = ["--max-message-bytes", str(MAX_MESSAGE), "--chunk-bytes", str(1 << 20), "--round-timeout", "4"]
+EXTRA = ["--max-message-bytes", str(MAX_MESSAGE), "--chunk-bytes", str(1 << 20), "--round-timeout", "4",
+         "--peer-allowed-networks", "hosts"]
 CW = Settings(max_message_bytes=MAX_MESSAGE, round_timeout=4.0, peer_timeout=4.0,
               heartbeat_interval=0.25).cluster_wide()
 RSS_GROWTH_LIMIT = 64 << 20
@@ -237,6 +242,142 @@ def test_oversized_and_wrong_typed_messages(ring, baseline, ctx):
     # (the drops are logged only for the first 20 of a daemon's life: earlier tests used those up;
     # run alone, node 1's log names "exceeds the 4194304-byte limit" and "announces 100 buffers")
     baseline.check()
+
+
+# -- a raw ZMTP client: messages without end -------------------------------------------------------
+
+class RawZmtp:
+    """A ZMTP 3.0 client over a plain TCP socket, written from the spec (ZeroMQ RFC 23, NULL
+    mechanism, RFC 27 for the refusal): the 64-byte greeting, a READY command, then frames whose
+    MORE flag the test chooses, so it can send what no ZeroMQ API sends (a message that never ends,
+    a frame announced and never sent)."""
+
+    def __init__(self, port: int, source: str = "127.0.0.1") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+        # signature (0xFF, 8 bytes of padding, 0x7F), version 3.0, mechanism, as-server, filler
+        self.sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" * 32)
+        peer = self._exact(64)
+        assert peer[0] == 0xFF and peer[9] == 0x7F and peer[10] == 3, peer  # test-side check of libzmq's bytes
+        props = b"".join(bytes([len(k)]) + k + struct.pack(">I", len(v)) + v
+                         for k, v in ((b"Socket-Type", b"DEALER"), (b"Identity", b"")))
+        self._send_frame(b"\x05READY" + props, command=True)
+        self.name, self.body = self.read_command()  # READY, or ERROR when the handshake is refused
+
+    def _exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            got = self.sock.recv(n - len(out))
+            if not got:
+                raise ConnectionResetError(f"closed by the daemon after {len(out)} of {n} bytes")
+            out += got
+        return out
+
+    def read_command(self) -> tuple[bytes, bytes]:
+        flags = self._exact(1)[0]
+        size = struct.unpack(">Q", self._exact(8))[0] if flags & 0x02 else self._exact(1)[0]
+        body = self._exact(size)
+        return body[1:1 + body[0]], body[1 + body[0]:]
+
+    def _send_frame(self, body: bytes, more: bool = False, command: bool = False) -> None:
+        flags = (0x01 if more else 0) | (0x04 if command else 0)
+        head = bytes([flags | 0x02]) + struct.pack(">Q", len(body)) if len(body) > 255 else bytes([flags, len(body)])
+        self.sock.sendall(head + body)
+
+    def send_more(self, body: bytes) -> None:
+        """One frame of a message that goes on (the MORE flag set)."""
+        self._send_frame(body, more=True)
+
+    def announce(self, size: int) -> None:
+        """Only the header of a long frame of ``size`` bytes."""
+        self.sock.sendall(bytes([0x02]) + struct.pack(">Q", size))
+
+    def closed_by_peer(self, timeout: float) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1 << 16) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_message_without_end_grows_the_daemon_until_its_connection_closes(ring, baseline):
+    """Not bounded without CURVE (docs/security.md): libzmq keeps a message's frames until its last
+    one arrives, ZMQ_MAXMSGSIZE bounds each frame, its high-water mark counts whole messages, and
+    none of it reaches birdnet before the end. 80 frames of 1 MiB with MORE set, from an allowed
+    address, grow the daemon by as much; when the connection closes, libzmq frees them and the
+    daemon hands the memory back to the kernel (malloc could keep it before: once +63 MB 2 s after
+    a 64 MiB one's connection closed). This test shows the limit that the docs state: if it fails
+    because the daemon did not grow, libzmq bounds such messages now and docs/security.md must say so."""
+    cl, ports = ring
+    z = RawZmtp(ports[1])
+    assert z.name == b"READY", (z.name, z.body)
+    frame = b"\x01" * (1 << 20)  # 1 MiB: each below max_message_bytes (4 MiB), so libzmq takes it
+    for _ in range(80):
+        z.send_more(frame)
+    deadline = time.monotonic() + 10
+    while rss(baseline.pids[1]) - baseline.rss[1] < 72 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the daemon's I/O thread reads what the kernel buffered
+    grew = rss(baseline.pids[1]) - baseline.rss[1]
+    assert grew >= 72 << 20, f"80 MiB of an unfinished message grew the daemon by {grew >> 20} MB only"
+    assert not z.closed_by_peer(0.2)  # nothing of libzmq or birdnet ends such a connection
+    z.close()
+    baseline.check()  # RSS back within 64 MB of the baseline, descriptors too, the ring serves
+
+
+def test_a_frame_over_max_message_bytes_is_refused_before_its_bytes(ring, baseline):
+    """ZMQ_MAXMSGSIZE (max_message_bytes) is checked on a frame's announced size: a header announcing
+    2**40 bytes closes the connection before a byte of it is sent or allocated."""
+    cl, ports = ring
+    z = RawZmtp(ports[1])
+    assert z.name == b"READY", (z.name, z.body)
+    z.send_more(b"x" * 1000)
+    z.announce(1 << 40)
+    assert z.closed_by_peer(5.0)
+    z.close()
+    assert rss(baseline.pids[1]) - baseline.rss[1] < 8 << 20
+    baseline.check()
+
+
+def test_an_address_outside_peer_allowed_networks_is_refused_before_any_message(ring, baseline):
+    """``--peer-allowed-networks hosts`` (here 127.0.0.1): a connection from 127.0.0.5 is refused by
+    the ZAP handler during the handshake (an ERROR command, status 400, then the connection closes),
+    so no frame of a message from it is ever taken: the bound on strangers without CURVE."""
+    cl, ports = ring
+    z = RawZmtp(ports[1], source="127.0.0.5")
+    assert z.name == b"ERROR", (z.name, z.body)
+    assert b"400" in z.body, z.body
+    try:
+        for _ in range(40):
+            z.send_more(b"\x01" * (1 << 20))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed by the daemon while we were still sending
+    assert z.closed_by_peer(5.0)
+    z.close()
+    assert rss(baseline.pids[1]) - baseline.rss[1] < 8 << 20
+    new = cl.log(1)[baseline.logs[1]:]
+    assert "refused a peer connection from 127.0.0.5: not in peer_allowed_networks (127.0.0.1/32)" in new, new[-2000:]
+    baseline.check()
+
+
+def test_peer_allowed_networks_setting():
+    from birdnet.daemon.security import address_allowed, read_allowed_networks
+
+    from birdnet.errors import ConfigError
+    from birdnet.hosts import parse_hosts
+    peers = parse_hosts("127.0.0.1:1\nlocalhost:2\n[::1]:3\n")
+    nets = read_allowed_networks("hosts, 10.0.0.0/24 fd00::/64", peers)
+    assert {"127.0.0.1/32", "::1/128", "10.0.0.0/24", "fd00::/64"} <= set(map(str, nets)), nets
+    for addr, ok in (("127.0.0.1", True), ("::ffff:127.0.0.1", True), ("10.0.0.77", True), ("10.0.1.1", False),
+                     ("fd00::9", True), ("fe80::1%eth0", False), ("::1", True), ("nonsense", False)):
+        assert address_allowed(addr, nets) is ok, addr
+    with pytest.raises(ConfigError, match=r"'10.0.0.0/33' is not an address or a network"):
+        read_allowed_networks("10.0.0.0/33", peers)
+    assert read_allowed_networks("", peers) == []
+    assert "peer_allowed_networks" not in Settings().cluster_wide()  # local: nodes may differ
 
 
 # -- floods ----------------------------------------------------------------------------------------
