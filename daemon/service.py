@@ -39,6 +39,7 @@ import signal
 import socket
 import struct
 import time
+from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -79,6 +80,13 @@ FDS_PER_SESSION = 5
 #: descriptors kept for everything else: peer links (a few per peer), metrics, ZeroMQ's own
 RESERVED_FDS = 256
 HELLO_TIMEOUT = 5.0  #: a client connection that says nothing for this long is dropped
+#: A process whose connections were dropped for saying nothing SILENT_STRIKES times within
+#: SILENT_STRIKE_WINDOW seconds may hold at most MAX_SILENT_PER_PROCESS connections that have said
+#: nothing; beyond that its new ones are dropped at once (a ZeroMQ DEALER reconnects by itself after
+#: each drop, so without this such a process kept as many connections as it had sockets)
+SILENT_STRIKES = 16
+SILENT_STRIKE_WINDOW = 60.0
+MAX_SILENT_PER_PROCESS = 16
 MAX_SOCKET_PATH = 107  #: bytes of a Unix socket path (sun_path minus its terminating NUL, Linux)
 MAX_PENDING_CALLS = 1024  #: a job's calls waiting on this node for some of its processes
 MAX_EXPIRED = 4096  #: a job's call numbers remembered as timed out
@@ -294,7 +302,13 @@ class Daemon:
         # a connection that says no hello within HELLO_TIMEOUT is dropped, and beyond
         # max_connections new ones are dropped at once.
         self.conn_monitor = self.clients.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self.connections: dict[int, list[Any]] = {}  #: descriptor -> [peer pid or None, accepted at]
+        #: descriptor -> [peer pid or None, accepted at, has said something (a message came over it)]
+        self.connections: dict[int, list[Any]] = {}
+        #: pid -> times its connections were dropped for saying nothing (SILENT_STRIKES)
+        self.silent_strikes: dict[int, deque[float]] = {}
+        #: whether libzmq names the descriptor a message came over (ZMQ_SRCFD, source_fd); without
+        #: it a connection counts as speaking once its process has a session
+        self.fd_of_messages = False
         self.connections_closed = 0  #: since malloc last handed memory back
         self.connections_dropped = 0  #: by this daemon (idle, or over max_connections)
         self._drop_logged, self._drops_at_log = 0.0, 0
@@ -476,9 +490,17 @@ class Daemon:
             s.unmapped = None
             self._forget_tokens(identity)
         hello = header.get("t") == "hello"
+        fd = source_fd(frames[1])
+        if fd is not None:
+            self.fd_of_messages = True
+            if fd not in self.connections:
+                self.handle_connections()  # its accept is reported before its first message: take it
+            conn = self.connections.get(fd)
+            if conn is not None:
+                conn[2] = True  # it has said something (drop_idle_connections)
         creds = peer_credentials(frames[1]) if hello else None
         self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds,
-                      source_fd(frames[1]) if hello else None)
+                      fd if hello else None)
 
     def handle_bell(self, identity: bytes) -> None:
         """Calls a process wrote into its submit FIFO (birdnet.door.Bell); errors go back over the
@@ -984,9 +1006,14 @@ class Daemon:
                 continue
             if ev["event"] == zmq.EVENT_ACCEPTED:
                 pid = _peer_pid(fd)
-                self.connections[fd] = [pid, time.monotonic()]
+                self.connections[fd] = [pid, time.monotonic(), False]
                 if len(self.connections) > self.max_connections:
                     self._drop_connection(fd, f"over the limit of {self.max_connections} connections")
+                elif pid is not None and self._silent_process(pid):
+                    self._drop_connection(fd, f"its process holds {MAX_SILENT_PER_PROCESS} connections that said "
+                                              f"nothing, and {SILENT_STRIKES} or more of its connections were dropped "
+                                              f"for saying nothing in the last {SILENT_STRIKE_WINDOW:.0f} s")
+                    self._strike(pid)
             elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.connections_closed += 1
                 gone = self.connections.pop(fd, None)
@@ -999,14 +1026,39 @@ class Daemon:
         return False
 
     def drop_idle_connections(self) -> None:
-        """Connections that said no hello within HELLO_TIMEOUT (a real client says it at once) and
-        whose process has no session are dropped: each holds a descriptor."""
-        limit = time.monotonic() - HELLO_TIMEOUT
+        """Connections that said nothing within HELLO_TIMEOUT (a real client says hello at once) are
+        dropped: each holds a descriptor. Where libzmq does not say which connection a message came
+        over, only those of processes without a session (a process with one was exempt, and its
+        silent connections stayed)."""
+        now = time.monotonic()
+        limit = now - HELLO_TIMEOUT
         pids = {s.pid for s in self.sessions.values()}
-        for fd, (pid, since) in list(self.connections.items()):
-            if since < limit and pid is not None and pid not in pids:  # (None: the kernel did not say)
+        for fd, (pid, since, spoke) in list(self.connections.items()):
+            if pid is None or since >= limit:  # (None: the kernel did not say; _drop_connection needs it)
+                continue
+            if (not spoke) if self.fd_of_messages else pid not in pids:
                 self._drop_connection(fd, f"no hello within {HELLO_TIMEOUT} s")
-                self.connections[fd][1] = time.monotonic()  # once; the disconnect removes it
+                self.connections[fd][1] = now  # once; the disconnect removes it
+                self._strike(pid)
+        for pid in [p for p, times in self.silent_strikes.items() if not times or times[-1] < now - SILENT_STRIKE_WINDOW]:
+            del self.silent_strikes[pid]
+
+    def _strike(self, pid: int) -> None:
+        times = self.silent_strikes.get(pid)
+        if times is None:
+            if len(self.silent_strikes) >= MAX_SESSIONS:  # bounded: forget the oldest process
+                self.silent_strikes.pop(next(iter(self.silent_strikes)))
+            times = self.silent_strikes[pid] = deque(maxlen=SILENT_STRIKES)
+        times.append(time.monotonic())
+
+    def _silent_process(self, pid: int) -> bool:
+        """Whether process ``pid`` has had SILENT_STRIKES connections dropped for silence within
+        SILENT_STRIKE_WINDOW and holds MAX_SILENT_PER_PROCESS silent ones besides its newest."""
+        times = self.silent_strikes.get(pid)
+        if times is None or len(times) < SILENT_STRIKES or times[0] < time.monotonic() - SILENT_STRIKE_WINDOW:
+            return False
+        silent = sum(1 for c in self.connections.values() if c[0] == pid and not c[2])
+        return silent > MAX_SILENT_PER_PROCESS
 
     def _drop_connection(self, fd: int, why: str) -> None:
         """Shut a client connection down under ZeroMQ (which then closes it, as when the process
