@@ -54,6 +54,7 @@ class Settings:
     peer_timeout: float = 10.0  #: no sign of life (data or heartbeat) from a neighbour for this long = lost
     heartbeat_interval: float = 0.5  #: how often neighbours ping each other when idle
     round_timeout: float = 600.0  #: a round whose participants never all arrive is abandoned after this
+    hello_timeout: float = 5.0  #: a client connection that says nothing for this long is dropped (local)
     state_limit_bytes: int = 4 << 30  #: cap on codec state (error feedback, compensation) per daemon
     max_message_bytes: int = 1 << 30  #: largest message accepted from a peer or client
     nan_policy: str = "propagate"  #: "propagate" or "reject" NaN/Inf in contributions
@@ -92,7 +93,7 @@ class Settings:
             bad(f"local_size is {self.local_size}; it must be at least 1 (training processes per node)")
         if self.rank is not None and self.rank < 0:
             bad(f"rank is {self.rank}; ranks start at 0")
-        for name in ("peer_timeout", "heartbeat_interval", "round_timeout"):
+        for name in ("peer_timeout", "heartbeat_interval", "round_timeout", "hello_timeout"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
         if self.heartbeat_interval * 2 > self.peer_timeout:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--heartbeat-interval", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval})")
     a("--round-timeout", type=float, help=f"seconds a round may wait for all processes to arrive "
       f"(default {d.round_timeout})")
+    a("--hello-timeout", type=float, help=f"seconds a client connection may say nothing before it is dropped "
+      f"(default {d.hello_timeout}; birdnet.client says hello at once)")
     a("--state-limit-bytes", type=int, help="cap on codec state (error feedback) memory (default 4 GiB)")
     a("--max-message-bytes", type=int, help="largest message accepted from a peer (default 1 GiB)")
     a("--nan-policy", choices=["propagate", "reject"], help="NaN/Inf in a contribution: propagate (default) "

@@ -79,7 +79,6 @@ MAX_DEPARTED = 1024  #: jobs remembered as broken by a departed process
 FDS_PER_SESSION = 5
 #: descriptors kept for everything else: peer links (a few per peer), metrics, ZeroMQ's own
 RESERVED_FDS = 256
-HELLO_TIMEOUT = 5.0  #: a client connection that says nothing for this long is dropped
 #: A process whose connections were dropped for saying nothing SILENT_STRIKES times within
 #: SILENT_STRIKE_WINDOW seconds may hold at most MAX_SILENT_PER_PROCESS connections that have said
 #: nothing; beyond that its new ones are dropped at once (a ZeroMQ DEALER reconnects by itself after
@@ -299,7 +298,7 @@ class Daemon:
         self._open_fd_socket()
         # Every connection as the kernel sees it (accepted / gone, by descriptor): a process's
         # sessions end when its last connection closes (a FIFO pair each, held for ever before),
-        # a connection that says no hello within HELLO_TIMEOUT is dropped, and beyond
+        # a connection that says no hello within hello_timeout is dropped, and beyond
         # max_connections new ones are dropped at once.
         self.conn_monitor = self.clients.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         #: descriptor -> [peer pid or None, accepted at, has said something (a message came over it)]
@@ -1026,18 +1025,18 @@ class Daemon:
         return False
 
     def drop_idle_connections(self) -> None:
-        """Connections that said nothing within HELLO_TIMEOUT (a real client says hello at once) are
+        """Connections that said nothing within hello_timeout (a real client says hello at once) are
         dropped: each holds a descriptor. Where libzmq does not say which connection a message came
         over, only those of processes without a session (a process with one was exempt, and its
         silent connections stayed)."""
         now = time.monotonic()
-        limit = now - HELLO_TIMEOUT
+        limit = now - self.settings.hello_timeout
         pids = {s.pid for s in self.sessions.values()}
         for fd, (pid, since, spoke) in list(self.connections.items()):
             if pid is None or since >= limit:  # (None: the kernel did not say; _drop_connection needs it)
                 continue
             if (not spoke) if self.fd_of_messages else pid not in pids:
-                self._drop_connection(fd, f"no hello within {HELLO_TIMEOUT} s")
+                self._drop_connection(fd, f"no hello within {self.settings.hello_timeout} s")
                 self.connections[fd][1] = now  # once; the disconnect removes it
                 self._strike(pid)
         for pid in [p for p, times in self.silent_strikes.items() if not times or times[-1] < now - SILENT_STRIKE_WINDOW]:
