@@ -42,6 +42,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print(f"messages lost from the left neighbour: {st['messages_lost']} (a TCP connection broke and "
                   "reconnected; each loss failed one round)")
+    k = st.get("kernels")
+    if k:
+        proc = k.get("process", "-")
+        if proc == "compiling":
+            proc = f"compiling {k.get('process_done', 0)} of {k.get('process_configurations', 0)} configurations"
+        print(f"kernels: warm-up process {proc}; loaded {len(k.get('loaded', []))} configuration(s)"
+              + (f", loading {k['loading']}" if k.get("loading") else "")
+              + (f"; {k['parked_calls']} call(s) waiting for their kernels" if k.get("parked_calls") else "")
+              + (f"; compiled on the ring thread {k['ring_thread_compiles']} time(s)" if k.get("ring_thread_compiles")
+                 else ""))
     ratio = st.get("last_ratio")
     print(f"last compression ratio {ratio:.1f}" if ratio is not None else "last compression ratio -",
           f", codec time {st.get('compress_seconds_total', 0.0):.3f} s", sep="")

@@ -74,6 +74,13 @@ class Settings:
     #: cluster-wide: after an agreed round, a job's next dense all-reduce starts without an agreement
     #: (daemon/engine.py, "the dense lane"); off, every round waits for the leader's start/go
     dense_lane: bool = True
+    #: "all": at start a subprocess compiles every registry codec's kernels into Numba's on-disk
+    #: cache; "used": only a codec's first call has them compiled. Either way a call waits until
+    #: its kernels are loaded, never compiling on the ring thread (daemon/warmup.py)
+    kernel_warmup: str = "all"
+    #: a call whose codec's kernels are still being compiled waits at most this long (the ring keeps
+    #: its heartbeats meanwhile), then fails with RoundTimeoutError naming the codec
+    warmup_timeout: float = 600.0
 
     # local_size too: a process's global rank is node rank x local_size + local rank, so nodes
     # with different local sizes would hand out colliding ranks and a wrong job size
@@ -93,7 +100,10 @@ class Settings:
             bad(f"local_size is {self.local_size}; it must be at least 1 (training processes per node)")
         if self.rank is not None and self.rank < 0:
             bad(f"rank is {self.rank}; ranks start at 0")
-        for name in ("peer_timeout", "heartbeat_interval", "round_timeout", "hello_timeout"):
+        if self.kernel_warmup not in ("all", "used"):
+            bad(f"kernel_warmup is {self.kernel_warmup!r}; use 'all' (compile every codec's kernels at start) or "
+                "'used' (a codec's at its first call)")
+        for name in ("peer_timeout", "heartbeat_interval", "round_timeout", "hello_timeout", "warmup_timeout"):
             if getattr(self, name) <= 0:
                 bad(f"{name} must be a positive number of seconds, not {getattr(self, name)}")
         if self.heartbeat_interval * 2 > self.peer_timeout:

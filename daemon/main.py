@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-dense-lane", dest="dense_lane", action="store_false", default=None,
       help="every round waits for the leader's start/go agreement, also a job's dense all-reduces "
       "(by default the next one after an agreed round starts at once; cluster-wide: all or none)")
+    a("--kernel-warmup", choices=["all", "used"], help="compile every codec's Numba kernels at start, in a "
+      "subprocess (all, the default), or a codec's at its first call (used); calls wait for their kernels")
+    a("--warmup-timeout", type=float, help=f"seconds a call may wait for its codec's kernels to compile "
+      f"(default {d.warmup_timeout})")
     a("--log-level", help="DEBUG, INFO (default), WARNING, ERROR")
     a("--version", action="version", version=f"birdnetd {__version__}")
     return p

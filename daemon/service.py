@@ -28,6 +28,7 @@ request     reply
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import grp
 import logging
@@ -259,6 +260,11 @@ class Daemon:
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
         self.max_sessions, self.max_connections = session_limits(self.world)
         self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
+        #: compiles the codecs' kernels off the ring thread (daemon/warmup.py); submits whose codec is
+        #: not warm yet wait in ``parked`` (arrival, identity, header, codec, params), in order
+        self.warmer: Any = None
+        self.parked: collections.deque[tuple[float, bytes, dict[str, Any], Any, Any]] = collections.deque()
+        self.fatal: str | None = None  #: a start-up error found after start (a bad default codec): exit 2
 
     # -- start-up ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -343,26 +349,32 @@ class Daemon:
             from birdnet.daemon.metrics import MetricsServer
             self.metrics = MetricsServer(self, self.settings.metrics_host, self.settings.metrics_port)
             self.metrics.start()
-        self._warm_up()
+        self._start_warmup()
         self.worker.start()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda s, _f: self.signals.append(s))
         log.info("birdnetd %s: rank %d of %d, clients on %s", __version__, self.rank, self.world, self.socket_path)
 
-    def _warm_up(self) -> None:
-        """Compile the cluster default codec's kernels before READY=1 (Numba caches them on disk)."""
-        if self.settings.codec == "none":
-            return
-        from birdnet.codecs import Payload, RoundContext, get_codec  # noqa: F401
-        try:
-            codec = get_codec(self.settings.codec, **self.settings.codec_params)
-            x = np.linspace(-1, 1, 4096, dtype=np.float32)
-            ctx = RoundContext("warmup", "warmup", (4096,), 0, 0, 1, 1)
-            codec.compress(x, ctx, codec.new_state(4096))
-        except BirdnetError as exc:
-            raise_config(f"default codec {self.settings.codec!r}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - compiling is best effort; rounds report real errors
-            log.warning("warm-up of codec %s failed: %r", self.settings.codec, exc)
+    def _start_warmup(self) -> None:
+        """Kernels compile in a subprocess and load in a warm-up thread, never on the ring thread
+        (daemon/warmup.py); the default codec first. Its parameters are checked there too: importing
+        a codec here would compile its kernel module on this thread."""
+        from birdnet.daemon.warmup import KernelWarmer
+
+        from birdnet.codecs import names
+        if self.settings.codec != "none" and self.settings.codec not in names():
+            raise_config(f"default codec {self.settings.codec!r} is unknown; choose one of: {', '.join(names())}")
+        self.warmer = KernelWarmer(self.settings.kernel_warmup, wake=self._wake)
+        self.warmer.start([(self.settings.codec, self.settings.codec_params)])
+
+    def _check_default_codec(self) -> None:
+        """A default codec whose parameters the warm-up refused is a configuration error (exit 2)."""
+        from birdnet.daemon.warmup import config_key
+
+        from birdnet.errors import CodecError
+        exc = self.warmer.failed.get(config_key(self.settings.codec, self.settings.codec_params))
+        if isinstance(exc, CodecError):
+            self.fatal = f"default codec {self.settings.codec!r}: {exc}"
 
     # -- the loop ---------------------------------------------------------------------------------
     def serve_forever(self) -> int:
@@ -408,9 +420,17 @@ class Daemon:
                         except zmq.Again:
                             break
                 self.handle_finished()
+                if self.parked:
+                    self.release_parked()
                 now = time.monotonic()
                 if now - last_reap > 1.0:
                     last_reap = now
+                    if self.warmer is not None and self.settings.codec != "none":
+                        self._check_default_codec()
+                        if self.fatal:
+                            log.error("%s", self.fatal)
+                            self.shutdown()
+                            return 2
                     try:
                         self.reap_sessions()
                         self.expire_pending()
@@ -437,11 +457,14 @@ class Daemon:
                 self.shutdown()
 
     def _status_line(self) -> str:
+        kernels = self.warmer.status_line() if self.warmer is not None else ""
+        kernels = f", {kernels}" if kernels else ""
         if self.net is None:
-            return f"rank 0 of 1 (single node), {len(self.sessions)} client(s)"
+            return f"rank 0 of 1 (single node), {len(self.sessions)} client(s){kernels}"
         lost = self.net.lost()
         ok = self.world - 1 - len(lost)
-        return f"rank {self.rank} of {self.world}, peers reachable {ok}/{self.world - 1}, {len(self.sessions)} client(s)"
+        return (f"rank {self.rank} of {self.world}, peers reachable {ok}/{self.world - 1}, "
+                f"{len(self.sessions)} client(s){kernels}")
 
     def handle_hup(self) -> None:
         """Re-read the hosts file. Ring membership cannot change under a running ring, so a changed
@@ -519,13 +542,15 @@ class Daemon:
             self.reply(identity, {"t": "error", "call": None, **to_wire(err)})
 
     def dispatch(self, identity: bytes, header: dict[str, Any], allowed: tuple[str, ...],
-                 creds: tuple[int, int, int] | None = None, fd: int | None = None) -> None:
+                 creds: tuple[int, int, int] | None = None, fd: int | None = None, parked: bool = False) -> None:
         try:
             t = header.get("t")
             handler = getattr(self, f"handle_{t}", None) if t in allowed else None
             if handler is None:
                 raise ProtocolError(f"unknown request {t!r}")
             check_request(header)
+            if t == "submit" and not parked and self._park(identity, header):
+                return
             if t == "hello":
                 self.handle_hello(identity, header, creds, fd)
             else:
@@ -537,6 +562,49 @@ class Daemon:
             log.exception("client request failed inside the daemon")
             err = InputError(f"request failed inside birdnetd: {exc!r}")
             self.reply(identity, {"t": "error", "call": _call_of(header), **to_wire(err)})
+
+    def _codec_of(self, h: dict[str, Any]) -> tuple[Any, Any]:
+        """The codec and parameters a submit asks for (as handle_submit reads them)."""
+        if h.get("kind") != "allreduce":
+            return "none", {}
+        if h.get("codec"):
+            return h.get("codec"), h.get("params") or {}
+        return self.settings.codec, self.settings.codec_params
+
+    def _park(self, identity: bytes, h: dict[str, Any]) -> bool:
+        """Keep a submit back while its codec's kernels are not in this process yet (and every
+        submit after it, so calls are taken in the order they came). A round then never reaches
+        the ring thread before its kernels: compiling there stopped the heartbeats."""
+        if self.warmer is None:
+            return False
+        codec, params = self._codec_of(h)
+        if self.warmer.ready(codec, params) and not self.parked:
+            return False
+        if not self.parked:
+            log.info("calls wait for the kernels of codec %s to be compiled and loaded", codec)
+        self.parked.append((time.monotonic(), identity, h, codec, params))
+        return True
+
+    def release_parked(self) -> None:
+        """Take the parked submits whose kernels are ready, in order; fail those parked longer than
+        warmup_timeout."""
+        now = time.monotonic()
+        while self.parked:
+            since, identity, h, codec, params = self.parked[0]
+            if self.warmer.ready(codec, params):
+                self.parked.popleft()
+                self.dispatch(identity, h, ("submit",), parked=True)
+            elif now - since > self.settings.warmup_timeout:
+                self.parked.popleft()
+                err = RoundTimeoutError(
+                    f"call {h.get('seq')} of pid {getattr(self.sessions.get(identity), 'pid', '?')}: the kernels of codec "
+                    f"{codec!r} were not compiled within warmup_timeout={self.settings.warmup_timeout} s "
+                    f"({self.warmer.describe(codec, params)}); on a slow board raise warmup_timeout, or warm the "
+                    "cache before starting training (python -m birdnet.daemon.warmup)")
+                log.warning("%s", err)
+                self.reply(identity, {"t": "error", "call": _call_of(h), **to_wire(err)})
+            else:
+                break
 
     def handle_hello(self, identity: bytes, h: dict[str, Any], creds: tuple[int, int, int] | None = None,
                      fd: int | None = None) -> None:
@@ -1160,6 +1228,7 @@ class Daemon:
             "states": self.states.per_job(),
             "states_evicted": self.states.evicted, "states_evicted_bytes": self.states.evicted_bytes,
             "uptime_seconds": time.time() - self.started,
+            "kernels": {**(self.warmer.status() if self.warmer is not None else {}), "parked_calls": len(self.parked)},
             # elastic mode's epoch, members and leader (the membership's; nothing on a fixed ring)
             **({"elastic": ms} if w is not None and (ms := w.status()) is not None else {}),
         }
@@ -1181,6 +1250,11 @@ class Daemon:
                         self.reply(s.identity, {"t": "error", "call": call,
                                                 **to_wire(ShutdownError("birdnetd is shutting down"))})
             j.pending.clear()
+        while self.parked:
+            _since, identity, h, _codec, _params = self.parked.popleft()
+            self.reply(identity, {"t": "error", "call": _call_of(h), **to_wire(ShutdownError("birdnetd is shutting down"))})
+        if self.warmer is not None:
+            self.warmer.stop()
         for identity in list(self.sessions):
             self.end_session(identity, "daemon shutting down")
         if self.metrics is not None:

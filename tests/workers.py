@@ -209,3 +209,22 @@ def held_results(sock, node, local, n, kept):
         return {"size": c.size, "views": [v.copy() for v in views], "in_slot": in_slot,
                 "slots_after_held": slots_after_held, "slots_after_loop": len(c._pool.slots),
                 "loop_value": loop_value, "result_slots": RESULT_SLOTS}
+
+
+def first_compressed_rounds(sock, node, local, specs, n, rounds, timeout):
+    """The job's first calls with each (codec, params), ``rounds`` each; returns the results, or
+    the first error as (class name, message), and each call's seconds."""
+    import time
+    out = []
+    with Client(sock, job="first") as c:
+        rng = np.random.default_rng(7 + c.rank)
+        for name, params in specs:
+            for r in range(rounds):
+                x = rng.standard_normal(n).astype(np.float32)
+                t0 = time.monotonic()
+                try:
+                    y = c.allreduce(x, name=f"{name}/w", codec=name, timeout=timeout, **params)
+                except Exception as exc:  # noqa: BLE001 - reported to the test
+                    return {"error": (type(exc).__name__, str(exc)), "out": out}
+                out.append((name, r, y, time.monotonic() - t0))
+    return {"error": None, "out": out}

@@ -1,0 +1,148 @@
+"""Kernel warm-up (daemon/warmup.py): a codec's first round never compiles Numba kernels on the
+ring thread, so a node stays alive for its peers while its kernels compile.
+
+The real-daemon test starts from an empty Numba cache, so it pays a cold compilation of birdplus
+and marsit (tens of seconds here): marked slow."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import workers
+from birdnet.client import Client
+from birdnet.daemon import warmup
+from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
+from cluster import LocalCluster
+
+from birdnet.codecs import get_codec, names
+from birdnet.config import Settings
+from birdnet.errors import ConfigError
+
+
+def test_every_codec_with_kernels_is_warmed_at_start():
+    warmed = {c for c, _p in warmup.CONFIGURATIONS}
+    assert warmed == set(names()) - warmup.NO_KERNELS
+    for c, p in warmup.CONFIGURATIONS:
+        get_codec(c, **p)  # every listed configuration is a valid one
+
+
+def test_settings_check_the_warm_up_options():
+    with pytest.raises(ConfigError, match="kernel_warmup"):
+        Settings(kernel_warmup="some")
+    with pytest.raises(ConfigError, match="warmup_timeout"):
+        Settings(warmup_timeout=0)
+
+
+@pytest.mark.parametrize("codec,params", [("topk", {}), ("marsit", {"momentum": 0.9})])
+def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params):
+    """After warm(), rounds of other sizes (both sides of the serial/parallel switch) and with two
+    local processes compile no kernel: what warm() ran is what rounds run."""
+    warmup.warm(codec, params)
+    counter = warmup._CompileCounter()
+    world = 2
+    with counter.counting():
+        for n in (5000, 100003):
+            runners = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+
+            def node(t, n=n, runners=runners):
+                for k in range(3):
+                    desc = {"kind": "allreduce", "name": "w", "shape": [n], "dtype": "float32", "op": "mean",
+                            "codec": get_codec(codec, **params).describe(), "root": None}
+                    parts = [Contribution(b"s", k, np.full(n, t.rank + i + k, np.float32), i, 2 * t.rank + i)
+                             for i in range(2)]
+                    runners[t.rank].run(LocalRound("j", k, "allreduce", desc, parts), t, t.rank, world, [2, 2])
+
+            warmup._FrameRing(world).run(node, timeout=120)
+    assert counter.count == 0, f"rounds compiled {counter.count} kernel(s) warm() had not: {counter.seconds}"
+
+
+def test_the_warm_up_command_stamps_what_it_compiled(tmp_path):
+    """A configuration warmed once is skipped the next time without importing Numba."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    cmd = [sys.executable, "-m", "birdnet.daemon.warmup", "--codec", "qsgd"]
+    first = [json.loads(x) for x in subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                                                   check=True).stdout.splitlines()]
+    assert first[-1]["t"] == "done" and first[-1]["compiled"] > 0 and first[-1]["failed"] == 0
+    t0 = time.monotonic()
+    code = "import runpy, sys; sys.argv = ['w', '--codec', 'qsgd']; runpy.run_module('birdnet.daemon.warmup', run_name='__main__')"
+    again = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True,
+                           text=True, timeout=120)
+    msgs = [json.loads(x) for x in again.stdout.splitlines()]
+    assert msgs[1]["t"] == "warmed" and msgs[1]["stamped"] is True
+    assert msgs[-1]["compiled"] == 0
+    assert "numba" not in again.stderr.split(), "a stamped configuration must not import Numba"
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_call_parked_past_warmup_timeout_fails_with_a_clear_error(tmp_path):
+    """Kernels that cannot be ready within warmup_timeout (an empty cache, a 0.2 s limit) fail the
+    call with RoundTimeoutError naming the codec and the setting; the daemon keeps serving."""
+    env_cache = tmp_path / "numba"
+    old = os.environ.get("NUMBA_CACHE_DIR")
+    os.environ["NUMBA_CACHE_DIR"] = str(env_cache)
+    try:
+        with LocalCluster(1, tmp_path, extra=["--kernel-warmup", "used", "--warmup-timeout", "0.2"]) as cl:
+            with Client(cl.sockets[0], job="t") as c:
+                from birdnet.errors import RoundTimeoutError
+                with pytest.raises(RoundTimeoutError, match="warmup_timeout=0.2"):
+                    c.allreduce(np.ones(5000, np.float32), name="w", codec="qsgd", timeout=60)
+                # dense calls still run, and the daemon still answers
+                assert c.allreduce(np.ones(10, np.float32), name="d", timeout=60)[0] == 1.0
+                assert c.status()["kernels"]["mode"] == "used"
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_CACHE_DIR", None)
+        else:
+            os.environ["NUMBA_CACHE_DIR"] = old
+
+
+def test_a_bad_default_codec_parameter_stops_the_daemon_with_status_2(tmp_path):
+    cl = LocalCluster(1, tmp_path, extra=["--codec", "topk", "--codec-params", '{"density": 7}', "--kernel-warmup", "used"])
+    try:
+        cl.start_node(0, wait=False)
+        assert cl.procs[0].wait(60) == 2
+        assert "density" in cl.logs[0].read_text()
+    finally:
+        cl.stop()
+
+
+@pytest.mark.slow
+def test_first_birdplus_and_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_path):
+    """3 daemons with a 1.5 s peer_timeout and an empty Numba cache: before the warm-up, the first
+    birdplus round compiled on the ring thread for 13 s here (49 s under load), and the peers were
+    declared lost. Now every node's first calls succeed, no daemon ever counts a peer lost, no
+    kernel is compiled or loaded on a ring thread, and all nodes end bit-identical."""
+    old = os.environ.get("NUMBA_CACHE_DIR")
+    os.environ["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    specs = [("birdplus", {}), ("marsit", {})]
+    try:
+        with LocalCluster(3, tmp_path, peer_timeout=1.5, heartbeat_interval=0.25,
+                          extra=["--kernel-warmup", "used"]) as cl:
+            res = cl.run(workers.first_compressed_rounds, specs, 70001, 2, 500.0, timeout=540)
+            statuses = []
+            for s in cl.sockets:
+                with Client(s, job="watch") as c:
+                    statuses.append(c.status())
+            logs = [log.read_text() for log in cl.logs]  # before the stop (a stopped neighbour is lost)
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_CACHE_DIR", None)
+        else:
+            os.environ["NUMBA_CACHE_DIR"] = old
+    for r in res:
+        assert r["error"] is None, r["error"]
+    for i in range(len(res[0]["out"])):
+        for r in res[1:]:
+            assert r["out"][i][2].tobytes() == res[0]["out"][i][2].tobytes()
+    for st in statuses:
+        k = st["kernels"]
+        assert k["ring_thread_compiles"] == 0, k
+        assert {"birdplus", "marsit"} <= set(k["loaded"]), k
+        assert st["rounds_failed"] == 0
+    for text in logs:
+        assert " lost" not in text, text[-3000:]
