@@ -73,14 +73,39 @@ def main():
     ap.add_argument("--dense", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="leader: select on the current round (oracle, not summable)")
     ap.add_argument("--mix", type=float, default=0.0, help="vote: share of K from the leader, rest split")
+    ap.add_argument("--own-scale", action="store_true",
+                    help="vote/leader, finite gamma: each proposer samples its slots with its own gamma "
+                         "probabilities and, next round, scales only its own proposals by its own "
+                         "1/max(p, 1/cap); every other value travels unscaled (summable, no extra bytes)")
+    ap.add_argument("--mask", default="sent", choices=["sent", "none", "own"],
+                    help="momentum-factor masking: u = 0 on every sent block, never, or only on own "
+                         "proposals (with --own-scale; without it \"own\" is \"sent\")")
+    ap.add_argument("--lowpass", type=float, default=1.0,
+                    help="ScaleCom low-pass on the memory: v = (1-beta) v_old + beta (residual)")
+    ap.add_argument("--slots", type=float, default=1.0,
+                    help="vote: proposal slots per node = slots*K/W; the union keeps the K ids proposed "
+                         "by most nodes (then best rank)")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
-    accs = [run(a, int(s)) for s in a.seeds.split(",")]
-    name = "dense" if a.dense else f"sel={a.sel} ef={a.ef} decay={a.decay} g={a.gamma} b={a.block} d={a.density} cap={a.cap} agecap={a.agecap} fresh={a.fresh} mix={a.mix}"
+    accs = []
+    for s in a.seeds.split(","):
+        accs.append(run(a, int(s)))
+        print(f"  seed {s}: {100*accs[-1]:.2f} union/K {np.mean(UNION) if UNION else 0:.3f}", flush=True)
+        UNION.clear()
+    name = "dense" if a.dense else (f"sel={a.sel} ef={a.ef} decay={a.decay} g={a.gamma} b={a.block} d={a.density} "
+                                    f"cap={a.cap} agecap={a.agecap} fresh={a.fresh} mix={a.mix} own={a.own_scale} "
+                                    f"mask={a.mask} lowpass={a.lowpass} slots={a.slots}")
     print(f"{a.tag} {name} W={a.workers}: mean {100*np.mean(accs):.2f} {[round(100*x, 2) for x in accs]}", flush=True)
 
 
+UNION: list = []
+LAST: dict = {}
+OWN: dict = {}  # (worker, tensor) -> {block id: own scale} of that worker's last proposal
+
+
 def run(a, seed):
+    OWN.clear()
+    LAST.clear()
     Xtr, ytr, Xte, yte = load("mnist1d", seed)
     rng = np.random.default_rng(seed)
     net = MLP(Xtr.shape[1], rng)
@@ -149,7 +174,17 @@ def exchange(a, k, gs, U, V, AGE, nxt, t, rng):
     else:
         ids, sc = nxt[k]
     for w in range(W):
-        send(a, k, w, acc[w], ids, sc, out, U, V, AGE, b, n)
+        if a.own_scale:
+            own = OWN.get((w, k), {})
+            scw = np.array([own.get(int(i), 1.0) for i in ids])
+            mine = np.array([int(i) in own for i in ids], bool)
+        else:
+            scw, mine = sc, np.ones(len(ids), bool)
+        send(a, k, w, acc[w], ids, scw, out, U, V, AGE, b, n, mine)
+        if a.lowpass < 1.0:  # ScaleCom: v = (1-beta) v_prev + beta (residual); v_prev before the gradient
+            V[w][k] = ((1 - a.lowpass) * LAST.get((w, k), 0.0) + a.lowpass * V[w][k]).astype(np.float32)
+            LAST[(w, k)] = V[w][k].copy()
+    UNION.append(len(ids) / K)
     # proposals for the next round, from accumulators after this round's send
     post = []
     for w in range(W):
@@ -170,10 +205,24 @@ def exchange(a, k, gs, U, V, AGE, nxt, t, rng):
             i, sc2 = propose(a, post[(t + 1) % W], kl, rng, b)
             idl.append(i)
             scl.append(sc2)
+        if a.slots != 1.0:
+            per = max(1, int(round(a.slots * K / W)))
+            cnt, best = {}, {}
+            for w in range(W):
+                top = np.argsort(-block_norms(post[w], b), kind="stable")[:per]
+                for r, i in enumerate(top):
+                    i = int(i)
+                    cnt[i] = cnt.get(i, 0) + 1
+                    best[i] = min(best.get(i, r), r)
+            order = sorted(cnt, key=lambda i: (-cnt[i], best[i], i))[:K]
+            nxt[k] = (np.sort(np.array(order)), np.ones(len(order)))
+            return out / W
         for w in range(W):
             i, sc2 = propose(a, post[w], max(1, share), rng, b)
             idl.append(i)
             scl.append(sc2)
+            if a.own_scale:
+                OWN[(w, k)] = {int(j): float(x) for j, x in zip(i, sc2)}
         ids = np.concatenate(idl)
         sc = np.concatenate(scl)
         ids, first = np.unique(ids, return_index=True)
@@ -197,8 +246,12 @@ def propose(a, f, K, rng, b):
     return ids, 1.0 / np.maximum(p[ids], 1.0 / a.cap)
 
 
-def send(a, k, w, f, ids, sc, out, U, V, AGE, b, n):
+def send(a, k, w, f, ids, sc, out, U, V, AGE, b, n, mine=None):
     idx = (ids[:, None] * b + np.arange(b)).ravel()
+    if mine is None:
+        mine = np.ones(len(ids), bool)
+    midx = (ids[mine][:, None] * b + np.arange(b)).ravel()
+    midx = midx[midx < n]
     ok = idx < n
     idx = idx[ok]
     s = np.repeat(sc, b)[ok]
@@ -206,7 +259,10 @@ def send(a, k, w, f, ids, sc, out, U, V, AGE, b, n):
     out[idx] += vals
     if a.ef == "full":
         V[w][k][idx] -= vals
-        U[w][k][idx] = 0.0
+        if a.mask == "sent":
+            U[w][k][idx] = 0.0
+        elif a.mask == "own":
+            U[w][k][midx] = 0.0
     else:
         AGE[w][k][ids] = 0.0
         # age scheme: u is plain momentum (not masked); the cap scale beyond 1 is extrapolation
