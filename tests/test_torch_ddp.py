@@ -1,6 +1,7 @@
 """torch.distributed backend "birdnet" and the DDP communication hook on real daemons: 2 nodes x 1
-training process, torch CPU (the CUDA staging path is not exercised: no GPU here). One worker per
-process runs every case in sequence (DDP on birdnet, then on Gloo) so torch is imported once."""
+training process, and 2 nodes x 2 (4 processes: each daemon reduces its two locally, then the
+ring), torch CPU (the CUDA staging path is not exercised: no GPU here). One worker per process
+runs every case in sequence (DDP on birdnet, then on Gloo) so torch is imported once."""
 from __future__ import annotations
 
 import os
@@ -302,3 +303,86 @@ def test_import_without_torch_distributed():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+# -- 4 processes: 2 nodes x 2 local processes -------------------------------------------------------
+def worker4(sock, node, local, store):
+    """DDP with 4 processes, 2 per daemon: the daemon reduces its two processes locally, then the
+    ring; ranks come from the daemons (node x local_size + local rank)."""
+    torch.set_num_threads(1)
+    import birdnet.client.torch as bnt
+    import torch.distributed as dist
+    from birdnet.client import torch_dist
+    out: dict = {}
+    pg = bnt.init_process_group(job="ddp4", socket=sock, timeout=60)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out["rank"], out["world"], out["where"] = rank, world, (node, pg.client.rank)
+    t = torch.tensor([1.0 + rank, float(rank == 3)])
+    dist.all_reduce(t)
+    out["sum"] = t.tolist()
+    b = torch.arange(3.0) * (rank + 1)
+    dist.broadcast(b, src=3)
+    out["bcast"] = b.tolist()
+    g = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(g, torch.tensor([10 * rank]))
+    out["gather"] = [x.item() for x in g]
+    dist.barrier()
+    out["birdnet_dense"] = train(dist, rank, world)
+    state = bnt.HookState(codec="topk", codec_params={"density": 0.1})
+    out["birdnet_hook"] = train(dist, rank, world, state, bnt.comm_hook)
+    torch_dist.destroy()
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=dist.FileStore(store, world))
+    out["gloo_dense"] = train(dist, rank, world)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results4(tmp_path_factory):
+    """45 s on this 2-core VM at load ~10 (other work running), 103 s at load ~26: most of it is
+    DDP's own first construction in each process, which imports torch._dynamo and sympy (21 s of
+    the 45, 4 processes on 2 cores), and each process's torch import; the training steps take
+    0.1 s. The timeouts leave room for a loaded machine."""
+    tmp = tmp_path_factory.mktemp("ddp4")
+    with LocalCluster(2, tmp, local_size=2) as cl:
+        res = cl.run(worker4, str(tmp / "gloo.store"), timeout=240)
+    return sorted(res, key=lambda r: r["rank"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_processes_ranks_and_collectives(results4):
+    assert [r["rank"] for r in results4] == [0, 1, 2, 3]
+    # node rank x local_size + local rank (the daemon numbers a node's processes as they join)
+    assert [r["where"] for r in results4] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    for r in results4:
+        assert r["world"] == 4
+        assert r["sum"] == [10.0, 1.0]
+        assert r["bcast"] == [0.0, 4.0, 8.0]
+        assert r["gather"] == [0, 10, 20, 30]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_processes_dense_ddp_on_birdnet_matches_gloo(results4):
+    for r in results4:
+        b, g = r["birdnet_dense"], r["gloo_dense"]
+        assert close(b["losses"], g["losses"]), (b["losses"], g["losses"])
+        for pb, pg in zip(b["params"], g["params"]):
+            assert close(pb, pg)
+    first = results4[0]["birdnet_dense"]
+    assert first["losses"][-1] < first["losses"][0]
+    # DDP keeps every rank's parameters the same: on the birdnet backend too, to the bit
+    for r in results4[1:]:
+        assert all(pa.tobytes() == pb.tobytes() for pa, pb in zip(first["params"], r["birdnet_dense"]["params"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_processes_compressed_hook_trains_and_ranks_agree(results4):
+    a = results4[0]["birdnet_hook"]
+    for r in results4[1:]:
+        assert all(pa.tobytes() == pb.tobytes() for pa, pb in zip(a["params"], r["birdnet_hook"]["params"]))
+        assert r["birdnet_hook"]["losses"] == a["losses"]
+    assert a["losses"][-1] < a["losses"][0]
+    assert a["losses"] != results4[0]["birdnet_dense"]["losses"]  # the codec really dropped something
