@@ -39,6 +39,20 @@ def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def wait_warm(sock: str, timeout: float = 180.0) -> None:
+    """Until the daemon's kernel warm-up (daemon/warmup.py) has nothing compiling or loading: its
+    subprocesses hold descriptors (and memory) while they run, which baselines must not count.
+    Quick when Numba's cache is warm; minutes when the kernels' sources changed on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with Client(sock, job="__warm__", connect_timeout=10.0) as c:
+            k = c.status().get("kernels", {})
+        if k.get("process") not in ("not started", "compiling") and not k.get("loading") and not k.get("waiting"):
+            return
+        assert time.monotonic() < deadline, f"kernel warm-up still busy after {timeout} s: {k}"
+        time.sleep(0.5)
+
+
 class Node:
     """One real birdnetd (a one-node ring) and its baseline figures."""
 
@@ -46,6 +60,7 @@ class Node:
         self.cl = LocalCluster(1, tmp, extra=["--round-timeout", "3", *extra], local_size=local_size)
         self.cl.start()
         self.sock = self.cl.sockets[0]
+        wait_warm(self.sock)
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 4096)  # the connection floods below
         self.checks = 0

@@ -19,6 +19,7 @@ import fault_workers
 import msgpack
 import pytest
 import zmq
+from birdnet.client import Client
 from cluster import LocalCluster, free_ports
 
 from birdnet import PROTOCOL_VERSION
@@ -48,6 +49,20 @@ def fds(pid: int) -> int:
     return sum(1 for t in fd_targets(pid) if not t.startswith("/dev/shm/"))
 
 
+def wait_warm(sock: str, timeout: float = 180.0) -> None:
+    """Until the daemon's kernel warm-up (daemon/warmup.py) has nothing compiling or loading: its
+    subprocesses hold descriptors (and memory) while they run, which baselines must not count.
+    Quick when Numba's cache is warm; minutes when the kernels' sources changed on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with Client(sock, job="__warm__", connect_timeout=10.0) as c:
+            k = c.status().get("kernels", {})
+        if k.get("process") not in ("not started", "compiling") and not k.get("loading") and not k.get("waiting"):
+            return
+        assert time.monotonic() < deadline, f"kernel warm-up still busy after {timeout} s: {k}"
+        time.sleep(0.5)
+
+
 def fd_targets(pid: int) -> list[str]:
     out = []
     for f in os.listdir(f"/proc/{pid}/fd"):
@@ -63,6 +78,8 @@ def ring(tmp_path_factory):
     cl = LocalCluster(2, tmp_path_factory.mktemp("hostile"), extra=EXTRA)
     cl.start()
     ports = [int(line.rsplit(":", 1)[1]) for line in cl.hosts.read_text().splitlines() if not line.startswith("#")]
+    for sock in cl.sockets:
+        wait_warm(sock)
     # one correct round first: the JIT and the ring are warm, so the baselines are the steady state
     assert [r[:2] for r in _round_in_threads(cl)] == [("ok", 3.0)] * 2
     yield cl, ports
@@ -459,6 +476,7 @@ def test_metrics_port_drops_idle_connections_and_bounds_threads(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, cl.log(0)[-2000:]
                 time.sleep(0.1)
+        wait_warm(cl.sockets[0])  # the warm-up's threads and pipes are not the scraper's
         time.sleep(0.5)  # the first request's handler thread ends
         base_fds, base_threads = fds(pid), _threads(pid)
         idle = [socket.create_connection(("::1", port)) for _ in range(3 * MAX_SCRAPES)]
