@@ -359,6 +359,16 @@ _watch: _RingCompileWatch | None = None
 _watch_lock = threading.Lock()
 
 
+def _install_watch() -> None:
+    global _watch
+    with _watch_lock:
+        if _watch is None:
+            try:
+                _watch = _RingCompileWatch()
+            except Exception as exc:  # noqa: BLE001 - a diagnostic; the warm-up works without it
+                log.debug("no compiler-lock watch: %r", exc)
+
+
 def ring_thread_compiles() -> int:
     return _watch.count if _watch is not None else 0
 
@@ -399,13 +409,6 @@ class KernelWarmer:
 
     # -- control ----------------------------------------------------------------------------------
     def start(self, first: list[tuple[str, dict[str, Any]]] | None = None) -> None:
-        global _watch
-        with _watch_lock:
-            if _watch is None:
-                try:
-                    _watch = _RingCompileWatch()
-                except Exception as exc:  # noqa: BLE001 - a diagnostic; the warm-up works without it
-                    log.debug("no compiler-lock watch: %r", exc)
         if self.mode == "all":
             self._spawn([], plan=True)
         self._thread = threading.Thread(target=self._run, name="birdnet-warmup", daemon=True)
@@ -429,7 +432,8 @@ class KernelWarmer:
                 p.kill()
                 p.wait(5)
         if self._thread is not None:
-            self._thread.join(5)
+            # briefly: a load in progress ends with the process (the thread is a daemon thread)
+            self._thread.join(1.0)
 
     def _spawn(self, args: list[str], plan: bool = False) -> subprocess.Popen | None:
         """Start a warming subprocess (its stderr is the daemon's: Numba's warnings reach the log)."""
@@ -517,6 +521,7 @@ class KernelWarmer:
             k = self.requests.get()
             if k is None:
                 return
+            _install_watch()  # here, not at start: a daemon whose calls are all dense never imports Numba
             codec, params = json.loads(k)
             self._compile_elsewhere(k, codec, params)
             if self.stopping:

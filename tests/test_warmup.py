@@ -86,7 +86,7 @@ def test_a_call_parked_past_warmup_timeout_fails_with_a_clear_error(tmp_path):
     old = os.environ.get("NUMBA_CACHE_DIR")
     os.environ["NUMBA_CACHE_DIR"] = str(env_cache)
     try:
-        with LocalCluster(1, tmp_path, extra=["--kernel-warmup", "used", "--warmup-timeout", "0.2"]) as cl:
+        with LocalCluster(1, tmp_path, extra=["--warmup-timeout", "0.2"]) as cl:
             with Client(cl.sockets[0], job="t") as c:
                 from birdnet.errors import RoundTimeoutError
                 with pytest.raises(RoundTimeoutError, match="warmup_timeout=0.2"):
@@ -102,7 +102,7 @@ def test_a_call_parked_past_warmup_timeout_fails_with_a_clear_error(tmp_path):
 
 
 def test_a_bad_default_codec_parameter_stops_the_daemon_with_status_2(tmp_path):
-    cl = LocalCluster(1, tmp_path, extra=["--codec", "topk", "--codec-params", '{"density": 7}', "--kernel-warmup", "used"])
+    cl = LocalCluster(1, tmp_path, extra=["--codec", "topk", "--codec-params", '{"density": 7}'])
     try:
         cl.start_node(0, wait=False)
         assert cl.procs[0].wait(60) == 2
@@ -121,8 +121,7 @@ def test_first_birdplus_and_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_p
     os.environ["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
     specs = [("birdplus", {}), ("marsit", {})]
     try:
-        with LocalCluster(3, tmp_path, peer_timeout=1.5, heartbeat_interval=0.25,
-                          extra=["--kernel-warmup", "used"]) as cl:
+        with LocalCluster(3, tmp_path, peer_timeout=1.5, heartbeat_interval=0.25) as cl:
             res = cl.run(workers.first_compressed_rounds, specs, 70001, 2, 500.0, timeout=540)
             statuses = []
             for s in cl.sockets:
@@ -146,3 +145,35 @@ def test_first_birdplus_and_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_p
         assert st["rounds_failed"] == 0
     for text in logs:
         assert " lost" not in text, text[-3000:]
+
+
+def test_at_start_every_configuration_is_warmed_by_the_subprocess(tmp_path):
+    """kernel_warmup="all": the start-up subprocess goes through every configuration (here all
+    stamped as done, as after an earlier start, so nothing compiles) and status says so; a call
+    then loads its kernels in the daemon (compiling them there: this cache is really empty, which
+    the log names) and works."""
+    cache = tmp_path / "numba"
+    old = os.environ.get("NUMBA_CACHE_DIR")
+    os.environ["NUMBA_CACHE_DIR"] = str(cache)
+    try:
+        for c, p in warmup.CONFIGURATIONS:
+            stamp = warmup._stamp(cache, warmup.config_key(c, p))
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.write_text("{}")
+        with LocalCluster(1, tmp_path, kernel_warmup="all") as cl:
+            with Client(cl.sockets[0], job="t") as c:
+                deadline = time.monotonic() + 60
+                while (k := c.status()["kernels"])["process"] != "done" and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert k["process"] == "done" and k["process_done"] == len(warmup.CONFIGURATIONS), k
+                x = np.arange(5000, dtype=np.float32)
+                out = c.allreduce(x, name="w", codec="qsgd", timeout=300)  # 127 levels: a step of |x|/127
+                assert np.abs(out - x).max() <= np.linalg.norm(x) / 127 * 1.001
+                k = c.status()["kernels"]
+                assert any(s.startswith("qsgd") for s in k["loaded"]) and k["ring_thread_compiles"] == 0, k
+            assert "the on-disk cache did not have them" in cl.logs[0].read_text()
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_CACHE_DIR", None)
+        else:
+            os.environ["NUMBA_CACHE_DIR"] = old

@@ -59,10 +59,14 @@ class LocalCluster:
     def __init__(self, n: int, tmp: Path, *, local_size: int = 1, extra: list[str] | None = None,
                  addresses: list[str] | None = None, prefixes: list[list[str]] | None = None,
                  per_node_extra: list[list[str]] | None = None, peer_timeout: float = 4.0,
-                 heartbeat_interval: float = 0.25) -> None:
+                 heartbeat_interval: float = 0.25, kernel_warmup: str = "used") -> None:
         self.n, self.tmp, self.local_size = n, Path(tmp), local_size
         # short timeouts suit tests (faults are noticed fast); benchmarks pass longer ones
         self.peer_timeout, self.heartbeat_interval = peer_timeout, heartbeat_interval
+        # "used": the daemons compile only the codecs their calls use (daemon/warmup.py); "all", the
+        # daemon's default, would compile every codec in the background, loading the shared cores
+        # under timing-sensitive tests and measured benchmarks
+        self.kernel_warmup = kernel_warmup
         self.extra = list(extra or [])
         ports = free_ports(n) if addresses is None else [29600 + i for i in range(n)]
         addresses = addresses or ["127.0.0.1"] * n
@@ -80,7 +84,7 @@ class LocalCluster:
         return [*self.prefixes[i], sys.executable, "-m", "birdnet.daemon.main", "--peers", str(self.hosts),
                 "--rank", str(i), "--socket", self.sockets[i], "--local-size", str(self.local_size),
                 "--peer-timeout", str(self.peer_timeout), "--heartbeat-interval", str(self.heartbeat_interval),
-                *self.extra, *self.per_node_extra[i]]
+                "--kernel-warmup", self.kernel_warmup, *self.extra, *self.per_node_extra[i]]
 
     def start_node(self, i: int, wait: bool = True) -> None:
         env = dict(os.environ)
