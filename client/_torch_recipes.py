@@ -12,14 +12,25 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from birdnet.errors import InputError
 
-#: automatic uncompressed warm-up of Adam / AdamW: the steps whose averaged gradients estimate the
-#: second moment before it is frozen (32 steps: the relative error of a mean of squares of 32
-#: samples, about 25 %, becomes about 12 % in the step size through the square root)
-ADAM_WARMUP_STEPS = 32
+#: the longest automatic uncompressed warm-up of Adam / AdamW (10 % of the transformer
+#: benchmark's 400 steps); it ends earlier once the second moment has settled:
+ADAM_WARMUP_STEPS = 40
+#: every this many steps the bias-corrected second moment is compared with the last test's ...
+ADAM_WARMUP_WINDOW = 8
+#: ... and a relative L1 change of at most this ends the warm-up (on the transformer: 0.69, 0.40,
+#: 0.28 at steps 16, 24, 32, so it ends at 32; the change shrinks about as 1/steps)
+ADAM_WARMUP_CHANGE = 0.3
+#: Adam / AdamW after the warm-up: the frozen second moment is refreshed from a dense all-reduce of
+#: the raw gradient (beside the codec's round) at the warm-up's end + R, + 3R, + 7R, ... (intervals
+#: doubling, 0/1 Adam's policy, Lu et al. 2022), as a time-weighted average
+#: ``v = b2**k v + (1 - b2**k) g**2`` over the k steps since the last sample, so v follows what
+#: Adam's would be instead of keeping the warm-up's (larger) early gradients; 0 = never refresh
+ADAM_REFRESH_STEPS = 16
 
 #: codecs with a ``momentum`` parameter (momentum correction kept in the daemon)
 MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", "efsign", "bird", "birdplus"})
@@ -28,6 +39,12 @@ MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", 
 #: do not: on the transformer benchmark marsit reached 2.028 nats/byte preconditioned against 1.957
 #: not (dense 1.899), birdplus 2.080 against 2.129 (200 steps, seed 0, docs/adapters.md)
 _PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
+#: codecs that send one sign scale per tensor (per bucket): with Adam each big tensor gets a bucket
+#: of its own. On the transformer (200 steps, seed 0) one bucket for the whole model left marsit at
+#: 1.964 nats/byte, a bucket per tensor at 1.900, dense's 1.899
+_SIGN_CODECS = frozenset({"marsit", "signcascade", "efsign"})
+#: tensors below this many elements travel dense (the daemons' default ``dense_threshold``)
+_SMALL_TENSOR = 1024
 #: codecs that change gradients too little to need a recipe
 _PLAIN_CODECS = frozenset({"none", "fp16"})
 #: a carry below this weight (momentum ** steps since the switch) is dropped
@@ -37,7 +54,7 @@ _CARRY_FLOOR = 1e-6
 class _Recipes:
     """Mixed into the DistributedOptimizer (a subclass of the wrapped optimizer's class): reads
     ``param_groups`` and ``state``, and the adapter's ``_bn_codec``, ``_bn_codec_params``,
-    ``_bn_mode``, ``_bn_recipe``, ``_bn_denom``, ``_bn_reset_pending`` and ``birdnet_warmup_steps``."""
+    ``_bn_mode``, ``_bn_recipe``, ``_bn_denom``, ``_bn_reset_pending``, ``_bn_warmup`` and ``_bn_vsnap``."""
 
     def _wrapped_name(self) -> str:
         # the wrapped optimizer's class: the first in the MRO that is not birdnet's mixin
@@ -128,7 +145,54 @@ class _Recipes:
 
     def _warming_up(self, g: dict[str, Any]) -> bool:
         codec = g.get("birdnet_codec", self._bn_codec)
-        return codec not in _PLAIN_CODECS and int(g.get("birdnet_step", 0)) < self.birdnet_warmup_steps
+        if codec in _PLAIN_CODECS:
+            return False
+        end = self._warmup_end(g)
+        return end is None or int(g.get("birdnet_step", 0)) < end
+
+    def _warmup_end(self, g: dict[str, Any]) -> int | None:
+        """The step at which compression starts: ``warmup_steps`` when given, else the step the
+        automatic warm-up ended at (kept in the group, so checkpoints carry it), None before."""
+        if self._bn_warmup is not None:
+            return self._bn_warmup
+        end = g.get("birdnet_warmup_end")
+        return None if end is None else int(end)
+
+    def _refreshing(self, b: Any) -> bool:
+        """Whether this step all-reduces ``b``'s raw gradients dense to refresh Adam's frozen second
+        moment: at the warm-up's end + R (2**j - 1), j >= 1 (ADAM_REFRESH_STEPS), for a bucket the
+        codec compressed last step (the daemons send buckets under their dense_threshold dense)."""
+        r = ADAM_REFRESH_STEPS
+        recipe = self._bn_recipe.get(b.group)
+        if not r or recipe is None or recipe[0] != "adam" or not b.coded:
+            return False
+        g = self.param_groups[b.group]
+        end = self._warmup_end(g)
+        if end is None or self._warming_up(g):
+            return False
+        since = int(g.get("birdnet_step", 0)) - end
+        q = since // r + 1
+        return since > 0 and since % r == 0 and q & (q - 1) == 0
+
+    def _own_scale(self, gi: int) -> bool:
+        """Whether group ``gi``'s tensors each travel in a bucket of their own: an Adam group with a
+        sign codec, whose one scale per bucket, divided by each coordinate's denominator, would give
+        the tensors with small gradients steps many times Adam's (module docstring)."""
+        recipe = self._bn_recipe.get(gi)
+        return (recipe is not None and recipe[0] == "adam"
+                and self.param_groups[gi].get("birdnet_codec") in _SIGN_CODECS)
+
+    @property
+    def birdnet_warmup_steps(self) -> int:
+        """Steps that travel dense before compression starts: ``warmup_steps`` when given; in
+        automatic mode the step the warm-up ended at, or, while it still runs, the steps so far."""
+        if self._bn_warmup is not None:
+            return self._bn_warmup
+        ends = [self._warmup_end(self.param_groups[gi]) for gi in self._bn_recipe]
+        if ends and all(e is not None for e in ends):
+            return max(ends)
+        return max(int(g.get("birdnet_step", 0)) for g in self.param_groups)
+
 
     @torch.no_grad()
     def _apply_recipe(self, p: torch.Tensor, recipe: tuple[str, float, float], coded: bool) -> None:
@@ -181,10 +245,38 @@ class _Recipes:
         else:
             est.copy_(grad)
 
+    @torch.no_grad()
+    def _refresh_variance(self, g: dict[str, Any], p: torch.Tensor, mean: torch.Tensor) -> None:
+        """A dense sample of the averaged gradient updates the frozen second moment as Adam's
+        would have moved over the k steps since its last sample, ``v = b2**k v + (1 - b2**k) g**2``
+        (k times the weight of one step: the sample stands for the steps not seen), and Adam's
+        step count (its bias correction) moves to this step."""
+        st = self.state[p]
+        t = int(g.get("birdnet_step", 0)) + 1  # Adam's step count once this step is done
+        k = t - int(float(st["step"]))
+        if k <= 0:
+            return
+        a = float(g["betas"][1]) ** k
+        v = st["exp_avg_sq"]
+        mean = mean.to(device=v.device, dtype=v.dtype)
+        v.mul_(a).addcmul_(mean, mean, value=1.0 - a)
+        if g.get("amsgrad"):
+            torch.maximum(st["max_exp_avg_sq"], v, out=st["max_exp_avg_sq"])
+        if torch.is_tensor(st["step"]):
+            st["step"].fill_(float(t))
+        else:
+            st["step"] = t
+        self._bn_denom.pop(id(p), None)  # the next update divides by the refreshed denominator
+
     def _restart_carry(self) -> None:
         """After a restore: the saved momentum estimate becomes the carry, and the daemons' codec
         state is reset before the next submission."""
         for gi, (kind, _beta, _damp) in self._bn_recipe.items():
+            g = self.param_groups[gi]
+            if self._bn_warmup is None and g.get("birdnet_warmup_end") is None and any(
+                    self.state.get(p, {}).get("birdnet_coded") for p in g["params"]):
+                # a checkpoint from a fixed warm-up, continued in automatic mode: it is over
+                g["birdnet_warmup_end"] = int(g.get("birdnet_step", 0))
             key = "birdnet_momentum_buffer" if kind == "sgd" else "exp_avg"
             for p in self.param_groups[gi]["params"]:
                 st = self.state.get(p)
@@ -192,6 +284,7 @@ class _Recipes:
                     st["birdnet_carry"], st["birdnet_carry_weight"] = st[key].detach().clone(), 1.0
                     self._bn_reset_pending = True
         self._bn_denom.clear()
+        self._bn_vsnap.clear()
 
     @torch.no_grad()
     def _frozen_adam_update(self, g: dict[str, Any], p: torch.Tensor) -> None:
@@ -204,3 +297,38 @@ class _Recipes:
             else:
                 d = d + wd * p  # Adam's L2 term, outside the momentum (as for SGD)
         p.addcdiv_(d, denom, value=-lr)
+
+    @torch.no_grad()
+    def _decide_warmup(self) -> None:
+        """Automatic warm-up: end it once Adam's bias-corrected second moment has settled, its
+        relative L1 change over the last ADAM_WARMUP_WINDOW steps below ADAM_WARMUP_CHANGE in every
+        Adam group (0/1 Adam's idea of freezing when the variance has stabilised), and after
+        ADAM_WARMUP_STEPS steps at the latest. The measure comes from the all-reduced gradients
+        and is summed in float64 by NumPy (no thread-dependent order), so every process ends the
+        warm-up at the same step; the step is kept in each group (``birdnet_warmup_end``)."""
+        groups = [self.param_groups[gi] for gi, r in self._bn_recipe.items() if r[0] == "adam"]
+        if not groups or all(g.get("birdnet_warmup_end") is not None for g in groups):
+            return
+        t = max(int(g.get("birdnet_step", 0)) for g in self.param_groups) + 1  # steps done with this one
+        done = t >= ADAM_WARMUP_STEPS
+        if not done and t % ADAM_WARMUP_WINDOW == 0:
+            change = total = 0.0
+            for g in groups:
+                bc2 = 1.0 - float(g["betas"][1]) ** t
+                for p in g["params"]:
+                    st = self.state.get(p)
+                    if not st or "exp_avg_sq" not in st:
+                        continue
+                    v = st["exp_avg_sq"].detach().to("cpu", torch.float64).numpy().reshape(-1) / bc2
+                    old = self._bn_vsnap.get(id(p))
+                    if old is not None and old.shape == v.shape:
+                        change += float(np.abs(v - old).sum())
+                        total += float(v.sum())
+                    else:
+                        total = float("nan")  # no snapshot yet: no verdict this window
+                    self._bn_vsnap[id(p)] = v
+            done = total > 0 and change <= ADAM_WARMUP_CHANGE * total
+        if done:
+            for g in self.param_groups:
+                g["birdnet_warmup_end"] = t
+            self._bn_vsnap.clear()

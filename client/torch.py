@@ -72,9 +72,16 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     In the spirit of 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022): the first
     ``warmup_steps`` steps travel dense and Adam runs as usual; then the second moment is frozen
     (``exp_avg_sq`` stops changing, its bias correction stays that of the last warm-up step),
-    the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
+    refreshed from a dense all-reduce of the raw gradient at the warm-up's end + 16, + 48, + 112,
+    ... steps (``ADAM_REFRESH_STEPS``; time-weighted, ``v = b2**k v + (1 - b2**k) g**2`` over the k
+    steps since the last sample, the bias correction moved to that step); the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
     feedback or Marsit's compensation) and the adapter updates
     ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)`` with ``m = (1 - beta1) * result + carry``.
+    Automatic warm-up (``warmup_steps=None``): dense until the bias-corrected second moment has
+    settled (its relative L1 change over 8 steps at most 0.3), 40 steps at most. With a sign codec
+    (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
+    elements travels in a bucket of its own, since one scale for the whole model, divided by each
+    coordinate's denominator, steps the tensors with small gradients many times Adam's step.
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
     selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
     the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
@@ -113,8 +120,12 @@ import torch
 from birdnet.client import Client, Handle
 from birdnet.client._torch_broadcast import broadcast_optimizer_state, broadcast_parameters
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
-from birdnet.client._torch_recipes import (  # noqa: F401 - ADAM_WARMUP_STEPS, MOMENTUM_CODECS: public
+from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
+    _SMALL_TENSOR,
+    ADAM_REFRESH_STEPS,
+    ADAM_WARMUP_CHANGE,
     ADAM_WARMUP_STEPS,
+    ADAM_WARMUP_WINDOW,
     MOMENTUM_CODECS,
     _Recipes,
 )
@@ -159,6 +170,14 @@ class _Bucket:
         self.ready: set[int] = set()
         self.scaled: set[int] = set()  # params sent divided by Adam's frozen denominator this step
         self.handle: Handle | None = None
+        #: a variance refresh (ADAM_REFRESH_STEPS): the raw gradients, all-reduced dense beside the codec
+        self.var: torch.Tensor | None = None
+        self.var_array: np.ndarray | None = None
+        self.var_views: dict[int, torch.Tensor] = {}
+        self.var_handle: Handle | None = None
+        self.refresh = False  # this step's raw gradients are staged in ``var``
+        self.coded = False  # the codec compressed this bucket last step (not the dense threshold)
+        self.dense = False  # always dense: the small tensors of a group whose big ones travel alone
         self.events: list[Any] = []  # CUDA events of device-to-host copies still running
         self.name = ""
 
@@ -177,6 +196,15 @@ class _Bucket:
         for _name, p, off, n in self.entries:
             self.views[id(p)] = self.flat[off:off + n].view(p.shape)
         self.name = f"grad/{self.index}/{self.entries[0][0]}"
+
+    def allocate_var(self, client: Client) -> None:
+        """The refresh buffer, made at the first refresh (most runs never need one)."""
+        if self.var_array is None:
+            self.var_array = client.buffer((max(self.numel, 1),), self.dtype)
+            self.var_array[...] = 0
+            self.var = torch.from_numpy(self.var_array)
+            for _name, p, off, n in self.entries:
+                self.var_views[id(p)] = self.var[off:off + n].view(p.shape)
 
 
 def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested here
@@ -212,14 +240,16 @@ class _DistributedOptimizer(_Recipes):
         self._bn_recipe: dict[int, tuple[str, float, float]] = {}
         if momentum_in_codec is not False:
             self._arrange()
-        if warmup_steps is None:
-            warmup_steps = ADAM_WARMUP_STEPS if any(r[0] == "adam" for r in self._bn_recipe.values()) else 0
-        if warmup_steps == 0 and any(r[0] == "adam" for r in self._bn_recipe.values()):
+        adam = any(r[0] == "adam" for r in self._bn_recipe.values())
+        if warmup_steps == 0 and adam:
             raise InputError("Adam/AdamW with a compressing codec needs an uncompressed warm-up to estimate its "
                              "second moment before it is frozen: warmup_steps must be at least 1 "
-                             f"(None = automatic, {ADAM_WARMUP_STEPS})")
-        #: steps that travel dense before compression starts (resolved from ``warmup_steps``)
-        self.birdnet_warmup_steps = int(warmup_steps)
+                             "(None = automatic: until the second moment settles, at most "
+                             f"{ADAM_WARMUP_STEPS} steps)")
+        #: the fixed warm-up in steps, or None: automatic (Adam/AdamW groups arranged), decided
+        #: while it runs (:meth:`_decide_warmup`)
+        self._bn_warmup: int | None = (None if adam else 0) if warmup_steps is None else int(warmup_steps)
+        self._bn_vsnap: dict[int, np.ndarray] = {}  # id(param) -> the second moment a window ago
         #: True while the last synchronize() sent the compressing groups dense (the warm-up)
         self.birdnet_warming_up = False
         self._bn_synced = False
@@ -270,20 +300,40 @@ class _DistributedOptimizer(_Recipes):
                     params.append((gi, p))
         buckets: list[_Bucket] = []
         open_: dict[tuple, _Bucket] = {}
+        small: list[tuple[int, torch.nn.Parameter, np.dtype]] = []
         for gi, p in reversed(params):  # backward meets the last layers first
             dt = wire_dtype(p, f"parameter {names[id(p)]!r}")
             if dt.kind != "f":
                 raise InputError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; gradients must be floating point")
-            key = (gi, dt, p.device)
-            b = open_.get(key)
-            if b is not None and b.entries and (b.numel + p.numel()) * dt.itemsize > bucket_bytes:
-                b = None
-            if b is None:
-                b = _Bucket(len(buckets), gi, dt, p.device)
-                buckets.append(b)
-                open_[key] = b
-            b.add(names[id(p)], p)
+            if self._own_scale(gi):
+                if p.numel() >= _SMALL_TENSOR:
+                    b = _Bucket(len(buckets), gi, dt, p.device)  # its own sign scale
+                    buckets.append(b)
+                    b.add(names[id(p)], p)
+                else:
+                    small.append((gi, p, dt))
+                continue
+            self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes)
+        # a per-tensor group's small tensors, dense as each would travel alone (last: the first
+        # layers' small gradients come last in backward anyway)
+        open_.clear()
+        for gi, p, dt in small:
+            self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes).dense = True
         return buckets
+
+    @staticmethod
+    def _fill(buckets: list[_Bucket], open_: dict[tuple, _Bucket], key: tuple, name: str,
+              p: torch.nn.Parameter, bucket_bytes: int) -> _Bucket:
+        """Add ``p`` to the open bucket of ``key`` (group, dtype, device), or a new one when full."""
+        b = open_.get(key)
+        if b is not None and b.entries and (b.numel + p.numel()) * key[1].itemsize > bucket_bytes:
+            b = None
+        if b is None:
+            b = _Bucket(len(buckets), key[0], key[1], key[2])
+            buckets.append(b)
+            open_[key] = b
+        b.add(name, p)
+        return b
 
     # -- backward ---------------------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -308,17 +358,29 @@ class _DistributedOptimizer(_Recipes):
         g = p.grad
         if g is None:
             view.zero_()
+            if self._refreshing(b):
+                b.allocate_var(self._bn_client)
+                b.var_views[id(p)].zero_()
+                b.refresh = True
             return
         if g.is_sparse:
             raise InputError(f"gradient of {self._name_of(b, p)!r} is sparse; birdnet reduces dense tensors")
         if g.device.type == "cuda":  # pragma: no cover - untested here (no GPU)
             view.copy_(g, non_blocking=True)
+            if self._refreshing(b):
+                b.allocate_var(self._bn_client)
+                b.var_views[id(p)].copy_(g, non_blocking=True)
+                b.refresh = True
             ev = torch.cuda.Event()
             ev.record()
             b.events.append(ev)
             return
         if g.data_ptr() != view.data_ptr():
             view.copy_(g)
+        if self._refreshing(b):
+            b.allocate_var(self._bn_client)
+            b.var_views[id(p)].copy_(view)  # the raw gradient, before any scaling
+            b.refresh = True
         denom = self._send_scale(b, p)
         if denom is not None:
             view.div_(denom)
@@ -345,9 +407,12 @@ class _DistributedOptimizer(_Recipes):
         g = self.param_groups[b.group]
         codec = g.get("birdnet_codec", self._bn_codec)
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
-        if self._warming_up(g):
+        if self._warming_up(g) or b.dense:
             codec, params = "none", {}
         b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
+        if b.refresh:  # right after the codec's round, in the same order on every process
+            b.var_handle = self._bn_client.allreduce_async(b.var_array, op="mean", name="var" + b.name[4:],
+                                                           codec="none")
 
     @staticmethod
     def _name_of(b: _Bucket, p: torch.Tensor) -> str:
@@ -375,13 +440,22 @@ class _DistributedOptimizer(_Recipes):
                     b.handle = None
                     stats.append(dict(h.stats, name=b.name))
                     recipe = self._bn_recipe.get(b.group)
-                    coded = h.stats.get("codec") not in (None, "none")
+                    coded = b.coded = h.stats.get("codec") not in (None, "none")
                     for _n, p, _o, _k in b.entries:
                         self._unstage(b, p)
                         if id(p) in b.scaled and p.grad is not None:
                             p.grad.mul_(self._bn_denom[id(p)])  # back to gradient units
                         if recipe is not None and p.grad is not None:
                             self._apply_recipe(p, recipe, coded)
+                    vh = b.var_handle
+                    if vh is not None:
+                        vh.wait(self._bn_timeout)
+                        b.var_handle = None
+                        stats.append(dict(vh.stats, name="var" + b.name[4:]))
+                        g = self.param_groups[b.group]
+                        for _n, p, _o, _k in b.entries:
+                            if self.state.get(p, {}).get("birdnet_coded"):
+                                self._refresh_variance(g, p, b.var_views[id(p)])
                 self.last_stats = stats
                 self._bn_synced = True
             finally:
@@ -392,12 +466,14 @@ class _DistributedOptimizer(_Recipes):
         (the daemons fail a round everywhere, so these waits end) so the next step starts clean."""
         from birdnet.errors import BirdnetError
         for b in self._bn_buckets:
-            if b.handle is not None:
-                try:
-                    b.handle.wait(self._bn_timeout)
-                except BirdnetError:
-                    pass
-                b.handle = None
+            for h in (b.handle, b.var_handle):
+                if h is not None:
+                    try:
+                        h.wait(self._bn_timeout)
+                    except BirdnetError:
+                        pass
+            b.handle = b.var_handle = None
+            b.refresh = False
             b.ready.clear()
             b.scaled.clear()
             b.events.clear()
@@ -447,6 +523,8 @@ class _DistributedOptimizer(_Recipes):
                 p.grad = gr
         for gi, p in frozen:
             self._frozen_adam_update(self.param_groups[gi], p)
+        if self._bn_warmup is None:
+            self._decide_warmup()
         for g in self.param_groups:
             g["birdnet_step"] = int(g.get("birdnet_step", 0)) + 1
         return loss
@@ -481,7 +559,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         Default codec for groups without ``"birdnet_codec"`` / ``"birdnet_codec_params"``; None = the
         daemons' default.
     bucket_bytes : int
-        Largest bucket in bytes (a single larger parameter gets a bucket of its own).
+        Largest bucket in bytes (a single larger parameter gets a bucket of its own). An Adam/AdamW
+        group with a sign codec (``marsit``, ``signcascade``, ``efsign``) gives each parameter of at
+        least 1024 elements a bucket of its own (one sign scale per tensor), its smaller ones
+        share dense buckets.
     client : Client, optional
         The connection to use; else one from :func:`init` (``socket``, ``job``).
     momentum_in_codec : bool or None
@@ -491,8 +572,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         average).
     warmup_steps : int or None
         Steps whose gradients travel dense before compression starts (counted per param group in
-        ``"birdnet_step"``, which checkpoints carry). None: automatic, ``ADAM_WARMUP_STEPS`` (32)
-        when an Adam/AdamW group is arranged, else 0.
+        ``"birdnet_step"``, which checkpoints carry). None: automatic; when an Adam/AdamW group is
+        arranged, until its second moment has settled (relative L1 change of at most
+        ``ADAM_WARMUP_CHANGE`` over ``ADAM_WARMUP_WINDOW`` steps), ``ADAM_WARMUP_STEPS`` (40) at
+        most, the step kept in each group as ``"birdnet_warmup_end"``; else 0.
     backward_passes_per_step : int
         Backward passes accumulated locally before the all-reduce (gradient accumulation).
     timeout : float, optional

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch) for the PyTorch adapter")
 
+import birdnet.client._torch_recipes as rec  # noqa: E402 - the recipes' constants live there
 import birdnet.client.torch as bnt  # noqa: E402
 from cluster import LocalCluster  # noqa: E402
 
@@ -27,6 +28,7 @@ def bare(opt_cls, params, recipe, **kw):
     cls = type(f"Distributed{opt_cls.__name__}", (bnt._DistributedOptimizer, opt_cls), {})
     opt = cls(params, **kw)
     opt._bn_recipe, opt._bn_denom, opt._bn_synced = {0: recipe}, {}, True
+    opt._bn_warmup, opt._bn_vsnap, opt._bn_codec = 0, {}, "marsit"  # the tests say which steps are compressed
     return opt
 
 
@@ -108,6 +110,101 @@ def test_adam_recipe_is_adam_with_the_variance_frozen_after_the_warm_up(opt_cls,
     assert st["birdnet_coded"] is True
 
 
+def test_a_refresh_moves_the_frozen_variance_as_adam_would_over_the_steps_it_stands_for():
+    """After the warm-up, refreshes at chosen steps: v = b2**k v + (1 - b2**k) g**2 over the k steps
+    since the last sample, Adam's step count (bias correction) moved to the refresh's step; between
+    refreshes v stays frozen. A refresh every step is then Adam's own second moment."""
+    steps, warm, lr, wd, (b1, b2), eps = 16, 3, 0.01, 0.01, (0.9, 0.999), 1e-8
+    refresh = {5, 6, 7, 11}  # steps (0-based) whose averaged gradient is sampled
+    p = torch.nn.Parameter(torch.ones(5, 3))
+    opt = bare(torch.optim.AdamW, [p], ("adam", b1, 0.0), lr=lr, weight_decay=wd)
+    q = torch.nn.Parameter(torch.ones(5, 3))
+    ref = torch.optim.AdamW([q], lr=lr, weight_decay=wd)
+    u = torch.zeros(5, 3)
+    m = v = None
+    last = warm
+    for s, g in enumerate(grads(steps)):
+        coded = s >= warm
+        if coded:
+            u.mul_(b1).add_(g)
+            p.grad = u.clone()
+        else:
+            p.grad = g.clone()
+        opt._apply_recipe(p, opt._bn_recipe[0], coded)
+        if s in refresh:
+            opt._refresh_variance(opt.param_groups[0], p, g.clone())
+        opt._bn_synced = True
+        opt.step()
+        # the reference, written out
+        if s < warm:
+            q.grad = g.clone()
+            ref.step()
+            if s == warm - 1:
+                m = ref.state[q]["exp_avg"] / (1 - b1 ** warm)
+                v = ref.state[q]["exp_avg_sq"].clone()
+        else:
+            with torch.no_grad():
+                m = b1 * m + (1 - b1) * g
+                if s in refresh:
+                    a = b2 ** (s + 1 - last)
+                    v = a * v + (1 - a) * g * g
+                    last = s + 1
+                q.mul_(1 - lr * wd)
+                q.sub_(lr * m / ((v / (1 - b2 ** last)).sqrt() + eps))
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6, msg=f"step {s}")
+    st = opt.state[p]
+    assert float(st["step"]) == 12  # the last refresh's step
+    torch.testing.assert_close(st["exp_avg_sq"], v)
+
+
+def test_refreshes_come_at_doubling_intervals_after_the_warm_up(monkeypatch):
+    monkeypatch.setattr(rec, "ADAM_REFRESH_STEPS", 4)
+    p = torch.nn.Parameter(torch.ones(5, 3))
+    opt = bare(torch.optim.AdamW, [p], ("adam", 0.9, 0.0), lr=0.01)
+    opt._bn_warmup = 10
+    b = bnt._Bucket(0, 0, np.dtype(np.float32), torch.device("cpu"))
+    b.coded = True  # compressed last step (not a bucket under the daemons' dense threshold)
+    g = opt.param_groups[0]
+    got = []
+    for s in range(60):
+        g["birdnet_step"] = s
+        if opt._refreshing(b):
+            got.append(s)
+    assert got == [14, 22, 38]  # 10 + 4, + 3 * 4, + 7 * 4 (+ 15 * 4 = 70 is beyond)
+    b.coded = False
+    g["birdnet_step"] = 14
+    assert not opt._refreshing(b)  # a bucket the daemons sent dense keeps Adam's own variance
+    monkeypatch.setattr(rec, "ADAM_REFRESH_STEPS", 0)
+    b.coded = True
+    assert not opt._refreshing(b)
+
+
+@pytest.mark.parametrize("growth,expected", [(1.0, None), (1.5, 12)])
+def test_the_automatic_warm_up_ends_when_the_second_moment_settles(monkeypatch, growth, expected):
+    """Gradients of a fixed distribution: the bias-corrected second moment settles and the warm-up
+    ends at a test step before the cap; gradients growing 1.5x a step never settle: the cap ends it."""
+    monkeypatch.setattr(rec, "ADAM_WARMUP_STEPS", 12)
+    monkeypatch.setattr(rec, "ADAM_WARMUP_WINDOW", 2)
+    monkeypatch.setattr(rec, "ADAM_WARMUP_CHANGE", 0.3)
+    p = torch.nn.Parameter(torch.ones(40, 30))
+    opt = bare(torch.optim.AdamW, [p], ("adam", 0.9, 0.0), lr=0.001)
+    opt._bn_warmup = None
+    gen = torch.Generator().manual_seed(3)
+    g = opt.param_groups[0]
+    for s in range(20):
+        p.grad = torch.randn(40, 30, generator=gen) * growth ** s
+        opt._bn_synced = True
+        opt.step()
+        if g.get("birdnet_warmup_end") is not None:
+            break
+    end = g["birdnet_warmup_end"]
+    if expected is None:
+        assert 4 <= end < 12 and end % 2 == 0
+    else:
+        assert end == expected
+    assert opt.birdnet_warmup_steps == end and not opt._warming_up({**g, "birdnet_codec": "marsit"})
+
+
 def test_adam_recipe_follows_the_lr_schedule_and_maximize():
     p = torch.nn.Parameter(torch.ones(5, 3))
     opt = bare(torch.optim.AdamW, [p], ("adam", 0.9, 0.0), lr=0.01, weight_decay=0.0, maximize=True)
@@ -148,7 +245,8 @@ def test_automatic_mode_arranges_each_optimizer(one_node):
     adam = bnt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), named_parameters=named,
                                     client=one_node, codec="marsit", codec_params={"compensation": "local"})
     assert adam.param_groups[0]["birdnet_codec_params"] == {"compensation": "local", "momentum": 0.9}
-    assert adam.birdnet_warmup_steps == bnt.ADAM_WARMUP_STEPS
+    # automatic warm-up: dense until the second moment settles (none done yet)
+    assert adam.birdnet_warmup_steps == 0 and adam._warming_up(adam.param_groups[0])
     adam.remove_hooks()
     rk = bnt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), named_parameters=named,
                                   client=one_node, codec="randomk", warmup_steps=3)
@@ -162,6 +260,27 @@ def test_automatic_mode_arranges_each_optimizer(one_node):
         assert o.param_groups[0]["momentum"] == 0.9 and "birdnet_codec_params" not in o.param_groups[0]
         assert o.birdnet_warmup_steps == 0
         o.remove_hooks()
+
+
+def test_adam_with_a_sign_codec_gives_each_big_tensor_its_own_bucket(one_node):
+    """One sign scale per bucket: with Adam, a bucket of several tensors would step the ones with
+    small gradients many times Adam's step, so each tensor of >= 1024 elements travels alone and
+    the small ones share one dense bucket. SGD, and Adam with a selecting codec, keep big buckets."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 40))
+    named = list(model.named_parameters())
+
+    def layout(opt):
+        out = [([n for n, _p, _o, _k in b.entries], b.dense) for b in opt._bn_buckets]
+        opt.remove_hooks()
+        return out
+
+    adam = bnt.DistributedOptimizer(torch.optim.AdamW(model.parameters()), named_parameters=named,
+                                    client=one_node, codec="marsit")
+    assert layout(adam) == [(["2.weight"], False), (["0.weight"], False), (["2.bias", "0.bias"], True)]
+    for opt in (torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)):
+        codec = "birdplus" if isinstance(opt, torch.optim.AdamW) else "marsit"
+        wrapped = bnt.DistributedOptimizer(opt, named_parameters=named, client=one_node, codec=codec)
+        assert layout(wrapped) == [(["2.bias", "2.weight", "0.bias", "0.weight"], False)]
 
 
 def test_automatic_mode_refuses_or_warns_clearly(one_node):
@@ -201,9 +320,10 @@ def lr_lambda(s):
 def make_adamw(client, codec):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Tanh(), torch.nn.Linear(48, 10))
+    # birdplus: the automatic warm-up (its cap set to WARM by the worker); marsit: a fixed one
     opt = bnt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01),
                                    named_parameters=model.named_parameters(), client=client, codec=codec,
-                                   warmup_steps=WARM, timeout=60)
+                                   warmup_steps=None if codec == "birdplus" else WARM, timeout=60)
     return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
 
 
@@ -223,17 +343,20 @@ def flat(model) -> np.ndarray:
 def adamw_worker(sock, node, local, codec):
     torch.set_num_threads(1)
     from birdnet.client import Client
+    rec.ADAM_WARMUP_STEPS = WARM
+    rec.ADAM_REFRESH_STEPS = 1  # variance refreshes at WARM + 1, WARM + 3
     with Client(sock, job=f"recipe-{codec}") as client:
         model, opt, sched = make_adamw(client, codec)
         g = torch.Generator().manual_seed(10 + client.rank)
         data = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
-        codecs, digests = [], []
+        codecs, digests, refreshes = [], [], []
         saved = None
         for s, (x, y) in enumerate(data):
             if s == SAVE:
                 saved = (flat(model), opt.state_dict(), sched.state_dict())
             one_step(model, opt, sched, x, y)
             codecs.append(sorted({st["codec"] for st in opt.last_stats}))
+            refreshes.append([st["name"] for st in opt.last_stats if st["name"].startswith("var/")])
             digests.append(digest(model))
         state = opt.state_dict()
         opt.remove_hooks()
@@ -253,7 +376,8 @@ def adamw_worker(sock, node, local, codec):
         for x, y in data[SAVE:]:
             one_step(model2, opt2, sched2, x, y)
             replay.append(digest(model2))
-        return {"rank": client.rank, "codecs": codecs, "digests": digests, "replay": replay,
+        return {"rank": client.rank, "codecs": codecs, "digests": digests, "replay": replay, "refreshes": refreshes,
+                "warmup": opt.birdnet_warmup_steps, "warmup_after_restore": opt2.birdnet_warmup_steps,
                 "final": flat(model), "final_after_restore": flat(model2), "saved": saved[0],
                 "carry_restarted": carry_restarted, "reset_pending": reset_pending,
                 "reset_done": not opt2._bn_reset_pending,
@@ -267,9 +391,12 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
     with LocalCluster(2, tmp_path) as cl:
         res = sorted(cl.run(adamw_worker, codec, timeout=250), key=lambda r: r["rank"])
     a, b = res
-    # dense warm-up, then the big tensor compressed (the 10x48 and the biases stay dense)
+    # dense warm-up, then the big tensor compressed (marsit: the 10x48 and the biases in a dense bucket)
     assert a["codecs"][:WARM] == [["none"]] * WARM
     assert all(codec in c for c in a["codecs"][WARM:])
+    assert a["warmup"] == a["warmup_after_restore"] == WARM
+    # the compressed bucket's variance refreshes (a dense round beside the codec's) at WARM + 1, + 3
+    assert [len(r) for r in a["refreshes"]] == [0] * (WARM + 1) + [1, 0, 1]
     assert a["digests"] == b["digests"], "the processes' parameters differ"
     assert a["replay"] == b["replay"], "after the restore the processes' parameters differ"
     assert a["round_trip"] == STEPS
