@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from birdnet.bench import netns
     from birdnet.bench.cluster import LocalCluster
+    from birdnet.config import Settings
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
@@ -209,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="birdnet-ddp-") as tmp, netns.NetnsCluster(a.nodes, a.rate) as nsc:
         prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
-        # a long peer_timeout: this is no fault test, and a daemon compiling a codec's kernels on a
-        # crowded machine may not send a heartbeat for a minute
+        # birdnetd's own timeouts: its kernels compile off the ring thread (daemon/warmup.py), so a
+        # codec's first round no longer silences a daemon for a minute (this needed 600 s before)
+        d = Settings()
         with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes,
-                          peer_timeout=600.0, heartbeat_interval=1.0) as cl:
+                          peer_timeout=d.peer_timeout, heartbeat_interval=d.heartbeat_interval) as cl:
             for k, cfg in enumerate(configs):
                 t0 = time.monotonic()
                 print(f"[{k + 1}/{len(configs)}] {cfg} ...", end="", file=sys.stderr, flush=True)
