@@ -19,8 +19,8 @@ meaning of their own (round key, origin rank, incarnation, reasons; the check co
 :data:`HEADER_KEYS`) are checked or made safe once, there, so no handler downstream meets a forged
 rank or a log-injecting string.
 
-Buffers are handed to ZeroMQ as they are (large ones without copying: peers.send_frames) and received
-as zero-copy ``memoryview`` s.
+Buffers are handed to ZeroMQ as they are (large ones without copying:
+birdnet.daemon.links.send_frames) and received as zero-copy ``memoryview`` s.
 
 Every header has ``t`` (message type), ``nbuf`` and ``sizes``. The keys of peer messages are listed
 once, in :data:`HEADER_KEYS` (which messages carry each and what it means); the message types are

@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundAborted, RoundRetry, check_descs
-from birdnet.daemon.peers import RoundTransport
 from birdnet.daemon.rounds import Phase, Round
+from birdnet.daemon.transport import RoundTransport
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
 from birdnet.codecs.base import begin_round, commit_round, pack_buffers

@@ -1,11 +1,15 @@
-"""Peer links: the ZeroMQ side of the ring.
+"""The peer net: a node's sockets to the other nodes, and what it knows of them.
 
-Size (about 1,000 lines): sockets, handshake, liveness, numbering, held messages, lane early data
-and the round transport are one module because PeerNet's state (the accepted identities, the
-numbering, the held queue) is read by all of them on the ring thread; splitting it by concern
-(links, handshake, liveness) is the next step of issue 23. One PeerNet serves both rings: where
-they differ (which ranks it links to, whose pings it accepts, what pings carry, who counts lost) it
-asks its membership (daemon/membership.py).
+:class:`PeerNet` owns the sockets and the poll loop, accepts connections, keeps liveness and the
+lane's early data. Its parts, by concern, are their own modules: the sockets and frames
+(links.py), the handshake's checks, duplicate claims and held messages (handshake.py), the
+numbering of messages and its gaps (numbering.py), and the round transport a ring algorithm sees
+(transport.py). One PeerNet serves both rings: where they differ (which ranks it links to, whose
+pings it accepts, what pings carry, who counts lost) it asks its membership (membership.py).
+
+Size (about 680 lines): the poll loop, the acceptance of a connection at its ping and the liveness
+bookkeeping read and write the same per-rank state (accepted identities, last seen, refusals) on
+the ring thread, and the message table below documents the protocol once.
 
 Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
 and connects one DEALER socket to its right neighbour (elastic mode: one to every node). Everything
@@ -21,7 +25,7 @@ type        direction       meaning
                             incarnation, and the ranks the sender believes lost. Sent every
                             ``heartbeat_interval``. The receiver checks it and answers ``pong`` or
                             ``refuse``; messages from a DEALER identity that has not passed the
-                            check are held until it does (PeerNet._hold).
+                            check are held until it does (handshake.HeldMessages).
 ``pong``    right -> left   the ping was accepted.
 ``refuse``  right -> left   the ping was refused; ``reason`` says what differs.
 ``start``   left -> right   a round: the leader (rank 0) sends it, every node appends its round
@@ -43,138 +47,30 @@ from __future__ import annotations
 
 import logging
 import os
-import socket as pysocket
 import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 from birdnet.daemon.elastic import ElasticRing
-from birdnet.daemon.membership import (  # noqa: F401 - RoundAborted, LaneGivenUp: re-exported
-    FixedNeighbours,
-    FixedRing,
-    LaneGivenUp,
-    RingNeighbours,
-    RoundAborted,
-)
-from birdnet.daemon.rounds import Phase, Round
+from birdnet.daemon.handshake import HELD_MAX_MESSAGES, MAX_REASON_CHARS, DuplicateClaims, HeldMessages, ping_refusal
+from birdnet.daemon.links import frames_nbytes, peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
+from birdnet.daemon.membership import FixedRing, LaneGivenUp, RingNeighbours, RoundAborted
+from birdnet.daemon.numbering import Numbering, lost_between
+from birdnet.daemon.transport import RoundTransport
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
-from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundTimeoutError, ShutdownError
+from birdnet.errors import ConfigError, PeerLostError, ProtocolError
 from birdnet.hosts import Peer
-from birdnet.messages import Abort
 from birdnet.osutil import release_freed_memory
 
+#: what other modules and tests import from here (the module was one file before the split)
+__all__ = ["HELD_MAX_MESSAGES", "LaneGivenUp", "PeerNet", "RingNeighbours", "RoundAborted", "RoundTransport",
+           "lost_between", "membership_for"]
+
 log = logging.getLogger("birdnet.peers")
-
-
-#: messages up to this many bytes are copied into ZeroMQ instead of sent zero-copy (see send)
-COPY_BELOW = 1 << 20
-#: bounds on messages held from a connection whose first ping has not arrived yet (PeerNet._hold)
-HELD_MAX_MESSAGES = 64
-HELD_MAX_BYTES = 16 << 20
-
-
-#: replies (pong, refuse) queued at most for one connection; more are dropped (PeerNet._reply)
-REPLY_HWM = 64
-#: longest refusal reason sent: a ping's cluster-wide map may be 64 KiB, and every difference is named
-MAX_REASON_CHARS = 2048
-
-_NOWAIT = int(zmq.NOBLOCK)
-_MORE_NOWAIT = int(zmq.SNDMORE | zmq.NOBLOCK)
-
-
-def frames_nbytes(frames: Sequence[Any]) -> int:
-    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-
-
-def reconnect_ivl_max(settings: Settings) -> int:
-    """ZeroMQ's reconnect back-off cap (ms) for peer DEALERs: one heartbeat interval (100 ms to
-    1 s), so a neighbour restarted quickly is reconnected before its absence can add up to
-    peer_timeout (a one-sided "lost" right after it is back)."""
-    return max(100, min(1000, int(settings.heartbeat_interval * 1000)))
-
-
-def send_frames(sock: zmq.Socket, frames: list[Any], track: bool, nbytes: int):
-    """Send ``frames`` (``nbytes`` in all) without blocking; a small message is copied, a large one
-    goes out zero-copy (with a MessageTracker when ``track``: the caller must not touch the buffers
-    until it is done).
-
-    Copying up to COPY_BELOW bytes costs less than pyzmq's zero-copy bookkeeping (a tracker, and a
-    hand-back through pyzmq's garbage-collector thread, which takes the GIL, per frame): with 256 KiB
-    chunks, 8 nodes on this 2-core machine all-reduced 11.7M float32 in 0.73 s instead of 0.81 s."""
-    # A loop with plain int flags instead of send_multipart: pyzmq's version combines enum flags for
-    # every part, which cost 7 us a message against 2.6 us here (its Python, not ZeroMQ's work). A
-    # multipart message is atomic in ZeroMQ: once the first part is queued, the rest are too.
-    copy = nbytes <= COPY_BELOW
-    last = len(frames) - 1
-    for f in frames[:last]:
-        sock.send(f, _MORE_NOWAIT, copy=copy)
-    # a zmq.Frame (a received one, sent on: see RoundTransport.send) goes without a copy either way,
-    # and needs no tracker: ZeroMQ owns its memory and counts its references
-    tracked = not copy and track and len(frames) > 2 and not isinstance(frames[last], zmq.Frame)
-    tracker = sock.send(frames[last], _NOWAIT, copy=copy, track=tracked)
-    return tracker if tracked else None
-
-
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """One whole multipart message without blocking (zmq.Again when none is there): the loop that
-    recv_multipart runs, without its per-part option lookups (3.6 us a message instead of 6.7)."""
-    parts = [sock.recv(_NOWAIT, copy=False)]
-    while parts[-1].more:
-        parts.append(sock.recv(_NOWAIT, copy=False))
-    return parts
-
-
-def lost_between(last: int | None, header: dict[str, Any]) -> tuple[int, int | None]:
-    """How many numbered messages of one connection went missing before ``header`` (its ``q``), when
-    the one before had number ``last``; and the number to remember. A message without a number
-    (garbage, or a peer that does not number) changes nothing."""
-    q = header.get("q")
-    if not isinstance(q, int) or isinstance(q, bool):
-        return 0, last
-    if header.get("qr"):
-        return 0, q  # the sender dropped its queue on purpose (PeerNet._count_ping): numbering restarts
-    return (q - last - 1 if last is not None and q > last + 1 else 0), q
-
-
-def lost_text(n: int, sender: str) -> str:
-    return (f"{n} message(s) from {sender} were lost: the TCP connection between the two daemons broke and "
-            "reconnected while they were in flight")
-
-
-def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
-    """A ROUTER or DEALER of the peer port with the options every one needs. ZMQ_IPV6 always: without
-    it a DEALER cannot connect to an IPv6 address or to a name that resolves to one (IPv4 still works
-    with it on); only the ROUTER had it, so a ring of IPv6 addresses never formed."""
-    s = ctx.socket(kind)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.IPV6, 1)
-    s.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
-    # A DEALER carries rounds: nothing may be dropped (a full queue means a lost neighbour, noticed
-    # by peer_timeout; queued pings are bounded by PeerNet._count_ping). The ROUTER only answers
-    # pings: a connection that never reads must not queue pongs and refusals without limit.
-    s.setsockopt(zmq.SNDHWM, REPLY_HWM if kind == zmq.ROUTER else 0)
-    s.setsockopt(zmq.RCVHWM, 0)
-    s.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    if kind == zmq.ROUTER and settings.peer_allowed_networks:
-        from birdnet.daemon.security import configure_zap
-        configure_zap(s)  # the daemon's ZAP handler refuses addresses outside them, before any message
-    return s
-
-
-def _resolve(host: str) -> str:
-    """The address to bind for hosts-file ``host``: an IPv6 literal as it is (the resolver drops
-    a link-local address's ``%interface``), a name as it resolves first."""
-    if ":" in host:
-        return host
-    try:
-        return pysocket.getaddrinfo(host, None, type=pysocket.SOCK_STREAM)[0][4][0]
-    except pysocket.gaierror:
-        return host
 
 
 def membership_for(settings: Settings, rank: int, world: int) -> FixedRing | ElasticRing:
@@ -215,7 +111,7 @@ class PeerNet:
         #: bumped when the left neighbour comes back as a new incarnation (a restarted daemon): a
         #: round in flight here then cannot complete (the new instance knows nothing of it), see
         #: FixedNeighbours.gone. Its first ping is a precise cut: what it sends before that
-        #: ping is held (_hold), what the old instance sent after it is dropped (_replaced). The
+        #: ping is held (HeldMessages), what the old instance sent after it is dropped (_replaced). The
         #: right-hand side would learn later (after its reconnection and a pong), so only this side
         #: looks; its abort reaches every node.
         self.neighbour_restarts = 0
@@ -226,35 +122,15 @@ class PeerNet:
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
         self.dropped = 0
-        #: identity -> [(arrival, CURVE user, message, bytes)] from connections not yet accepted (_hold)
-        self._held: dict[bytes, list[tuple[float, str | None, dict, int]]] = {}
-        self._held_bytes = 0
-        #: held messages released by their connection's first ping; poll() returns these first
-        self._ready: deque[dict] = deque()
+        #: messages from connections not accepted yet, until their first ping (handshake.py)
+        self.held = HeldMessages(settings.peer_timeout, self._drop)
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
-        #: rank -> identity -> (last accepted-looking ping, incarnation) of connections claiming
-        #: that rank, and per rank why they are refused while two are alive (_duplicate_claim)
-        self._claims: dict[int, dict[bytes, tuple[float, str]]] = {}
-        self.duplicates: dict[int, str] = {}
+        #: two live daemons claiming one rank: both refused (handshake.py)
+        self.claims = DuplicateClaims(settings.peer_timeout, lambda r: self.peers[r].address)
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
-        #: rank -> pings sent since its last pong or refusal, and the most kept queued (_count_ping)
-        self._unanswered: dict[int, int] = {}
-        self.max_unanswered = int(settings.peer_timeout / settings.heartbeat_interval) + 2
-        #: ranks whose queue _count_ping dropped: the next message to each carries ``qr`` (lost_between)
-        self._renumber: set[int] = set()
-        #: Every message to a peer carries ``q``, one more than the last to that peer (pings too).
-        #: ZeroMQ delivers a connection's messages in order and loses none unless the TCP connection
-        #: breaks (a NAT box, a flapping link, ``ss -K``): then what was in flight on it is gone, and
-        #: the next message from that sender, or its next ping (one heartbeat later), shows a jump.
-        #: Without this, a lost *last* message of a round, or a lost control message, was only
-        #: noticed by the timeouts (a dense-lane round: round_timeout, 600 s by default).
-        self.sent_q_to: dict[int, int] = {}
-        self._q_from: dict[int, int | None] = {}  #: the last ``q`` from each accepted sender
-        #: per sending rank, why the round that next waits for it must fail (take_gap_from)
-        self._gaps: dict[int, str] = {}
-        self.messages_lost = 0  #: messages lost this way, for status
-        self.lost_from: dict[int, int] = {}  #: messages lost per sending rank, for metrics
+        #: every message is numbered per destination; gaps per sender (numbering.py)
+        self.numbering = Numbering(settings.peer_timeout, settings.heartbeat_interval)
         #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
         #: that finished a lane round goes on to the next at once. Their messages wait here.
         self.lane_keys: tuple[str, ...] = ()
@@ -290,7 +166,7 @@ class PeerNet:
         self._trim_at = 0.0  #: when to hand freed memory back to the kernel (0: nothing to do)
         self.handshake_failures = 0
         me = peers[rank]
-        host = _resolve(me.host)
+        host = resolve_host(me.host)
         host = f"[{host}]" if ":" in host else host
         self._bind_router(f"tcp://{host}:{me.port}")
         self.poller = zmq.Poller()
@@ -364,7 +240,21 @@ class PeerNet:
     @property
     def sent_q(self) -> int:
         """The number of the last message to the right neighbour."""
-        return self.sent_q_to.get(self.right.rank, 0)
+        return self.numbering.sent_q_to.get(self.right.rank, 0)
+
+    @property
+    def sent_q_to(self) -> dict[int, int]:
+        return self.numbering.sent_q_to
+
+    @property
+    def messages_lost(self) -> int:
+        """Messages from peers lost on TCP connections that broke, for status."""
+        return self.numbering.messages_lost
+
+    @property
+    def duplicates(self) -> dict[int, str]:
+        """rank -> why its connections are refused (two live daemons claim it)."""
+        return self.claims.duplicates
 
     # -- handshake events --------------------------------------------------------------------------
     def _drain_monitors(self) -> None:
@@ -491,8 +381,8 @@ class PeerNet:
         without copying; with ``track`` the returned MessageTracker tells when ZeroMQ no longer needs
         them."""
         to = self.right.rank if to is None else to
-        q = self.sent_q_to.get(to, 0) + 1
-        frames = wire.encode(header, buffers, **self._numbering(to, q))
+        numbers = self.numbering.fields(to)
+        frames = wire.encode(header, buffers, **numbers)
         try:
             # NOBLOCK: without a connection (the peer refused us, or never came) a blocking send
             # would stall this thread for good; ZeroMQ queues while a connection exists.
@@ -502,8 +392,7 @@ class PeerNet:
             raise PeerLostError(
                 f"cannot send to {self.membership.describe_peer(self, to, 'right')}: not connected"
                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
-        self.sent_q_to[to] = q  # only a message ZeroMQ took counts: the receiver expects no gap otherwise
-        self._renumber.discard(to)
+        self.numbering.sent(to, numbers)
         self.bytes_sent += nbytes
         return tracker
 
@@ -523,26 +412,12 @@ class PeerNet:
         peer is down or does not read (SNDHWM 0, so a round is never cut): without this, every heartbeat
         queued a ping for ever, delivered in a burst when the peer came back. A reconnection drops nothing
         the peer could still use: it has been counted lost for as long (rounds with it failed)."""
-        n = self._unanswered.get(rank, 0) + 1
-        if n > self.max_unanswered:
+        if self.numbering.count_ping(rank):
             try:
                 sock.disconnect(endpoint)
             except zmq.ZMQError:
                 pass
             sock.connect(endpoint)
-            # what the queue held had numbers the peer will never see: without saying so, the peer's
-            # first round after it comes back would fail on a gap of dropped pings
-            self._renumber.add(rank)
-            n = 1
-        self._unanswered[rank] = n
-
-    def _numbering(self, rank: int, q: int) -> dict[str, int]:
-        """The numbering fields of the next message to ``rank``: its number, and ``qr`` when the
-        queue before it was dropped (_count_ping)."""
-        return {"q": q, "qr": 1} if rank in self._renumber else {"q": q}
-
-    def _answered(self, rank: int) -> None:
-        self._unanswered[rank] = 0
 
     def _send_ping(self) -> None:
         """A ping to every rank this node links to (the handshake, liveness and numbering)."""
@@ -606,8 +481,8 @@ class PeerNet:
             if self._trim_at and time.monotonic() >= self._trim_at:
                 self._trim_at = 0.0
                 release_freed_memory()
-            if self._ready:
-                return self._ready.popleft()
+            if self.held.ready:
+                return self.held.ready.popleft()
             remaining = deadline - time.monotonic()
             events = dict(self.poller.poll(max(0, min(remaining, self.settings.heartbeat_interval)) * 1000))
             if self.dealer_monitor in events or self.router_monitor in events:
@@ -625,8 +500,8 @@ class PeerNet:
                 msg = self._recv_router()
                 if msg is not None:
                     return msg
-                if self._ready:
-                    return self._ready.popleft()
+                if self.held.ready:
+                    return self.held.ready.popleft()
             if time.monotonic() >= deadline:
                 return None
 
@@ -650,7 +525,7 @@ class PeerNet:
                 log.warning("dropped a bad reply from %s: %s", who, exc)
                 continue
             if header["t"] in ("pong", "refuse"):
-                self._answered(r)
+                self.numbering.answered(r)
             if header["t"] == "pong":
                 self.seen[r] = time.monotonic()
                 self._note_info(r, header)
@@ -705,21 +580,19 @@ class PeerNet:
         r = self.identities.get(identity)
         if r is None:
             return  # not accepted yet: its first ping starts its numbering (_handle_ping)
-        n, self._q_from[r] = lost_between(self._q_from.get(r), header)
-        if n:
-            self.messages_lost += n
-            self.lost_from[r] = self.lost_from.get(r, 0) + n
-            self._gaps[r] = lost_text(n, self.membership.describe_peer(self, r, "left"))
-            log.warning("%s", self._gaps[r])
+        gap = self.numbering.received(r, header, self.membership.describe_peer(self, r, "left"))
+        if gap:
+            log.warning("%s", gap)
 
     def messages_lost_by_peer(self) -> list[tuple[Peer, int]]:
         """Messages lost per sending peer, for metrics (the fixed ring's only sender is the left neighbour)."""
-        return [(self.peers[r], self.lost_from.get(r, 0)) for r in sorted(self.membership.senders(self))]
+        lost = self.numbering.lost_from
+        return [(self.peers[r], lost.get(r, 0)) for r in sorted(self.membership.senders(self))]
 
     def take_gap_from(self, r: int) -> str | None:
         """Why a wait for rank ``r`` must give up (messages from it were lost since the last wait for
         it), once; else None."""
-        return self._gaps.pop(r, None)
+        return self.numbering.take_gap(r)
 
     def take_gap(self) -> str | None:
         """Why the caller's round must fail (messages from the left neighbour were lost since the last
@@ -751,85 +624,13 @@ class PeerNet:
         if identity in self._replaced:
             self._drop(f"{header['t']!r} message from {identity[:40]!r}, an earlier incarnation of {whose}")
         else:
-            self._hold(identity, first, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
-
-    def _hold(self, identity: bytes, frame: Any, msg: dict, nbytes: int) -> None:
-        """Keep a message from a connection that has not been accepted yet, until its first ping.
-
-        A neighbour's DEALER keeps its queue across a reconnection: a message it queued while we
-        were restarting (a round's ``start``, say) reaches us before the ping it sends at its next
-        heartbeat. Dropping it would leave the round waiting round_timeout for a start that never
-        comes round (the restart hang of tests/test_faults.py). So it is held, bounded in count
-        and bytes, and delivered in order once that connection's ping passes the checks
-        (:meth:`_release_held`); a connection that never passes them has its messages dropped
-        after peer_timeout."""
-        now = time.monotonic()
-        for ident, held in list(self._held.items()):
-            # arrival order: the expired ones are a prefix
-            stale = sum(1 for m in held if now - m[0] > self.settings.peer_timeout)
-            if stale:
-                self._held_bytes -= sum(m[3] for m in held[:stale])
-                self._drop(f"{stale} message(s) from {ident[:40]!r}, which never passed a ping check")
-                if stale == len(held):
-                    del self._held[ident]
-                else:
-                    self._held[ident] = held[stale:]
-        count = sum(len(v) for v in self._held.values())
-        if count >= HELD_MAX_MESSAGES or self._held_bytes + nbytes > HELD_MAX_BYTES:
-            self._drop(f"{msg['h'].get('t')!r} message from {identity[:40]!r}, which is not an accepted peer "
-                       f"(and {count} messages, {self._held_bytes} bytes from such connections are held already)")
-            return
-        who = self._peer_of_connection(frame) if self.curve is not None else None
-        self._held.setdefault(identity, []).append((now, who, msg, nbytes))
-        self._held_bytes += nbytes
-
-    def _release_held(self, identity: bytes, who: str | None, tag: dict[str, Any]) -> None:
-        """The connection ``identity`` passed its ping check: what it sent before is delivered now,
-        in order, with ``tag`` added (with CURVE, only what came over a connection with the same key)."""
-        for _t, held_who, msg, nbytes in self._held.pop(identity, ()):
-            self._held_bytes -= nbytes
-            if self.curve is not None and held_who != who:
-                self._drop(f"a held message from {identity[:40]!r} that came with another CURVE key")
-                continue
-            msg.update(tag)
-            self._ready.append(msg)
+            who = self._peer_of_connection(first) if self.curve is not None else None
+            self.held.hold(identity, who, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
         if self.dropped <= 20 or self.dropped % 1000 == 0:
             log.warning("dropped message %s (%d dropped so far)", why, self.dropped)
-
-    def _duplicate_claim(self, identity: bytes, rank: int, inc: Any, current: bytes | None) -> str | None:
-        """Why a ping that passed the checks is refused because two live daemons claim ``rank`` (a
-        --rank given twice, or one hosts-file line used by two machines), else None. ``current`` is
-        the identity accepted for ``rank`` now; on a refusal the caller accepts neither.
-
-        A restarted daemon's new connection replaces the old one, which then falls silent. A
-        replaced connection that pings again means both daemons are alive: each would displace the
-        other at every heartbeat (every round failing as "restarted"). Instead both are refused,
-        naming the rank, until only one has pinged for peer_timeout."""
-        now = time.monotonic()
-        claims = self._claims.setdefault(rank, {})
-        claims[identity] = (now, str(inc))
-        while len(claims) > 16:
-            claims.pop(next(iter(claims)))
-        live = {i: c for i, c in claims.items() if now - c[0] <= self.settings.peer_timeout}
-        dup = self.duplicates.get(rank)
-        if dup is None:
-            if identity == current or identity not in self._replaced or current is None or current not in live:
-                return None
-            dup = (f"two daemons claim rank {rank} ({self.peers[rank].address}): incarnations "
-                   f"{live[current][1]} and {inc}; each node needs its own hosts-file line "
-                   "and --rank (a configuration error: stop one of them)")
-            log.error("%s", dup)
-            self.duplicates[rank] = dup
-            self.neighbour_restarts += 1
-            self.last_restart = dup
-        elif len(live) < 2:
-            log.info("only one daemon claims rank %d now", rank)
-            del self.duplicates[rank]
-            return None
-        return dup
 
     def _reply(self, identity: bytes, header: dict[str, Any]) -> None:
         if "reason" in header:
@@ -847,35 +648,19 @@ class PeerNet:
             return None
         return user.decode(errors="replace") if isinstance(user, bytes) else user
 
-    def _ping_refusal(self, h: dict[str, Any], who: str | None, rank: Any, rank_problem: str | None) -> str | None:
-        """Why a ping is refused, else None: protocol version, world size, the rank it claims
-        (``rank_problem``: the caller's check of ``rank``), cluster-wide settings, and with CURVE
-        whether the connection's key (``who``) is that rank's. The one handshake check of both rings."""
-        if h.get("proto") != PROTOCOL_VERSION:
-            return f"protocol version {h.get('proto')!r} != {PROTOCOL_VERSION}"
-        if h.get("world") != self.world:
-            return (f"world size differs: the peer's hosts file has {h.get('world')!r} nodes, "
-                    f"rank {self.rank}'s has {self.world}")
-        if rank_problem:
-            return rank_problem
-        if h.get("cw") != self.cluster_wide:
-            theirs = h.get("cw") if isinstance(h.get("cw"), dict) else {}
-            diffs = [f"{k}: {theirs.get(k)!r} (peer) vs {self.cluster_wide.get(k)!r} (rank {self.rank})"
-                     for k in sorted(set(theirs) | set(self.cluster_wide)) if theirs.get(k) != self.cluster_wide.get(k)]
-            return "cluster-wide settings differ: " + "; ".join(diffs)
-        if self.curve is not None and not (who or "").startswith(f"rank {rank} "):
-            return f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank {rank}"
-        return None
-
     def _handle_ping(self, identity: bytes, h: dict[str, Any], frame: Any = None) -> None:
         """A ping: the handshake (refused with the reason, or answered with a pong) and, from a new
         connection, its acceptance as the rank it claims."""
         m = self.membership
         r = h.get("rank")
         who = self._peer_of_connection(frame) if self.curve is not None else None
-        reason = self._ping_refusal(h, who, r, m.rank_problem(self, r))
+        reason = ping_refusal(h, world=self.world, rank=self.rank, cluster_wide=self.cluster_wide,
+                              curve=self.curve is not None, who=who, claimed=r, rank_problem=m.rank_problem(self, r))
         if reason is None:
-            reason = self._duplicate_claim(identity, r, h.get("inc"), self.identity_of.get(r))
+            reason, new = self.claims.claim(identity, r, h.get("inc"), self.identity_of.get(r), self._replaced)
+            if new:
+                self.neighbour_restarts += 1  # rounds in flight with either of them cannot complete
+                self.last_restart = reason
             if reason and r in self.identity_of:
                 # neither is accepted (their messages are held, then dropped): rank r counts as
                 # lost after peer_timeout and the ring goes on without it; before, the two
@@ -903,9 +688,8 @@ class PeerNet:
             self.identity_of[r] = identity
             self.identities[identity] = r
             # its numbering starts at this ping (what it sent before is held and released below)
-            self._q_from[r] = lost_between(None, h)[1]
-            self._gaps.pop(r, None)
-            self._release_held(identity, who, {"from": r})
+            self.numbering.restart(r, h)
+            self.held.release(identity, who, {"from": r}, self.curve is not None)
         self.seen[r] = time.monotonic()
         self._note_info(r, h)
         if r == self.left.rank:
@@ -917,187 +701,3 @@ class PeerNet:
         self._reply(identity, {"t": "pong", "rank": self.rank, **m.pong_fields(self)})
 
 
-def _as_frame(b: Any) -> Any:
-    """The received ZeroMQ frame a numpy array views whole (the ring sums into received buffers
-    and forwards them), else the array itself. A frame is sent on without a copy (send_frames):
-    all but two of a node's 2(N-1) messages of a dense round are such (500 KB each for 1M float32
-    on 8 nodes)."""
-    base = getattr(b, "base", None)
-    if isinstance(b, np.ndarray) and isinstance(base, memoryview) and isinstance(base.obj, zmq.Frame):
-        if b.nbytes == base.nbytes == base.obj.buffer.nbytes and b.flags.c_contiguous:
-            return base.obj
-    return b
-
-
-def _earlier_of_job(other: Any, key: str) -> bool:
-    """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
-    a, b = wire.split_key(other), wire.split_key(key)
-    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
-
-
-class RoundTransport:
-    """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
-    messages with the round key and returns the round's data, nothing else. The control messages
-    that arrive meanwhile are dispatched by type to the ``handle_*`` methods (an abort of this
-    round fails it, a new start or a lane close gives it up, the rest is stale or another round's).
-    Its :class:`~birdnet.daemon.rounds.Round` says which round, on which ring (``neighbours``:
-    FixedNeighbours by default, RingNeighbours in elastic mode) and since when; the rest is the same
-    on both rings."""
-
-    def __init__(self, net: Any, key: str, restarts_at: int | None = None, lane: bool = False,
-                 neighbours: FixedNeighbours | RingNeighbours | None = None, round: Round | None = None) -> None:
-        if round is None:
-            round = Round(key, FixedNeighbours(net) if neighbours is None else neighbours,
-                          net.neighbour_restarts if restarts_at is None else restarts_at, lane=lane,
-                          phase=Phase.RUNNING)
-        self.net, self.round = net, round
-        self.key, self.neighbours = round.key, round.ring
-        #: a lane round (started without an agreement): its messages say so, and waiting for data
-        #: is waiting for the other nodes' processes too (round_timeout, not peer_timeout)
-        self.lane = round.lane
-        #: net.neighbour_restarts when the round's agreement began: a change fails the round
-        self.restarts_at = round.since
-        self.rank, self.world = self.neighbours.rank, self.neighbours.world
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.trackers: list[Any] = []
-        #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
-        self.on_other_abort: Any = None
-        self._handlers = {"data": self.handle_data, "abort": self.handle_abort, "start": self.handle_start,
-                          "lane": self.handle_lane, "go": self.handle_go}
-
-    @property
-    def interrupt(self) -> dict | None:
-        """A ``start`` of another round that arrived meanwhile (the ring worker follows it next)."""
-        return self.round.interrupt
-
-    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
-        h = dict(header)
-        h["k"] = self.key
-        if self.lane:
-            h["ln"] = 1
-        before = self.net.bytes_sent
-        tracker = self.neighbours.send(self.net, h, [_as_frame(b) for b in buffers], True)
-        if tracker is not None:
-            self.trackers.append(tracker)
-        self.bytes_sent += self.net.bytes_sent - before
-
-    def flush(self, timeout: float) -> None:
-        """Wait until ZeroMQ has handed every buffer sent in this round to the kernel, so the
-        caller may modify or release them (they are sent without copying, often straight out of
-        a training process's shared memory)."""
-        deadline = time.monotonic() + timeout
-        for tr in self.trackers:
-            while not tr.done:
-                if time.monotonic() > deadline or self.net.stopping:
-                    raise PeerLostError(f"round {self.key}: {self._right()} did not take our data within {timeout} s")
-                try:
-                    tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
-                except zmq.NotDone:
-                    pass
-                self.net.maybe_ping()
-        self.trackers.clear()
-
-    def _right(self) -> str:
-        return self.neighbours.describe_right()
-
-    def _check_gap(self) -> None:
-        gap = self.neighbours.take_gap(self.net, self.key)
-        if gap:
-            raise PeerLostError(gap)
-
-    def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        if self.lane:
-            self._check_gap()  # early data may have come after lost messages
-            early = self.net.take_early(self.key)
-            if early is not None:
-                self.bytes_received += sum(b.nbytes for b in early["b"])
-                return early["h"], early["b"]
-            self.net.reading = self.key
-            try:
-                return self._recv(deadline)
-            finally:
-                self.net.reading = None
-        return self._recv(deadline)
-
-    def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        nb = self.neighbours
-        while True:
-            if self.net.stopping:
-                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.net.rank} is shutting down")
-            why = nb.why_gone(self.net, self.key, self.restarts_at)
-            if why:
-                raise PeerLostError(why)
-            self._check_gap()
-            now = time.monotonic()
-            if now >= deadline:
-                if self.lane:
-                    raise RoundTimeoutError(
-                        f"round {self.key} did not complete within round_timeout="
-                        f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
-                raise PeerLostError(
-                    f"no data from {nb.describe_left()} for round {self.key} within "
-                    f"{self.net.settings.peer_timeout} s")
-            before = self.net.bytes_received
-            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
-            if msg is None or not nb.accepts(msg):
-                continue
-            handler = self._handlers.get(msg["h"].get("t"))
-            if handler is None or not handler(msg):
-                continue
-            # data that came after lost messages is not used; control messages are handled first
-            # (a start or an abort of another round must not be lost with this one)
-            self._check_gap()
-            self.bytes_received += self.net.bytes_received - before
-            return msg["h"], msg["b"]
-
-    # -- the round's messages, by type (each True only for data this round takes) -----------------
-    def handle_data(self, msg: dict[str, Any]) -> bool:
-        """This round's data from the left; anything else is stale (a message of an earlier,
-        failed round, or of a lane round given up)."""
-        h = msg["h"]
-        return self.neighbours.from_left(msg) and h.get("k") == self.key and bool(h.get("ln")) == self.lane
-
-    def handle_abort(self, msg: dict[str, Any]) -> bool:
-        """An abort of this round fails it; one of another round (fixed ring: it names its origin)
-        is the ring worker's to remember and pass on."""
-        a = Abort.from_header(msg["h"])
-        if a is None:
-            return False
-        if a.key in (self.key, None):
-            raise RoundAborted.of(a)
-        if a.origin is not None and self.neighbours.other_aborts and self.on_other_abort is not None:
-            self.on_other_abort(a)
-            if self.lane and _earlier_of_job(a.key, self.key):
-                # An earlier round of this job failed somewhere. The node that failed it closed
-                # its lane and joins this round only once it is agreed, so no node can finish a
-                # segment of it: give it up and run it agreed (the job loses no second call).
-                # (A later one's failure is only remembered: this round can still complete.)
-                raise LaneGivenUp(self.key)
-        return False
-
-    def handle_start(self, msg: dict[str, Any]) -> bool:
-        """The leader started an agreement: this round was abandoned upstream (a lane round: the
-        leader never joined it). The start is kept for the ring worker to follow."""
-        if not self.neighbours.from_left(msg):
-            return False
-        self.round.interrupt = msg
-        if self.lane:
-            raise LaneGivenUp(self.key)
-        raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
-
-    def handle_lane(self, msg: dict[str, Any]) -> bool:
-        """The leader closes the lane at this round (a lane round gives it up), or a node asks the
-        leader to close it while the leader is in the round already (it fails)."""
-        h = msg["h"]
-        if not self.neighbours.from_left(msg) or not self.lane:
-            return False
-        if h.get("req") and self.rank == 0:
-            raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
-        if h.get("k") == self.key and not h.get("req"):
-            raise LaneGivenUp(self.key)
-        return False
-
-    def handle_go(self, msg: dict[str, Any]) -> bool:
-        """A go during a data phase is an earlier agreement's, passed on late: stale."""
-        return False

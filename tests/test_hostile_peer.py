@@ -114,7 +114,7 @@ class Baseline:
             assert p is not None and p.poll() is None, f"daemon {i} died: {cl.log(i)[-3000:]}"
             assert "Traceback" not in cl.log(i)[self.logs[i]:], cl.log(i)[-3000:]
         # A forger that posed as a neighbour (possible without CURVE) has node 1 refuse both it and
-        # the real neighbour for up to peer_timeout (PeerNet._duplicate_claim): wait for the ring
+        # the real neighbour for up to peer_timeout (handshake.DuplicateClaims): wait for the ring
         # to be whole again, then a round must give the exact sum.
         deadline = time.monotonic() + cl.peer_timeout + 10.0
         while not all(st == "connected" for st in _peer_states(cl)):

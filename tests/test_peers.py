@@ -90,11 +90,11 @@ def test_held_messages_expire_and_an_earlier_incarnations_are_dropped(ring):
     stranger = left(b"r1-stranger")
     stranger.send_multipart(wire.encode({"t": "start", "k": "j/1"}))
     collect(net, 0.2)
-    assert net._held
+    assert net.held.by_identity
     time.sleep(settings.peer_timeout + 0.1)
     stranger.send_multipart(wire.encode({"t": "start", "k": "j/2"}))
     collect(net, 0.2)
-    assert [m[2]["h"]["k"] for m in net._held[b"r1-stranger"]] == ["j/2"]
+    assert [m[2]["h"]["k"] for m in net.held.by_identity[b"r1-stranger"]] == ["j/2"]
     assert net.dropped == 2
 
 
@@ -104,12 +104,12 @@ def test_held_messages_are_bounded(ring):
     for i in range(HELD_MAX_MESSAGES + 10):
         d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": i}))
     collect(net, 0.5)
-    assert sum(len(v) for v in net._held.values()) == HELD_MAX_MESSAGES
+    assert sum(len(v) for v in net.held.by_identity.values()) == HELD_MAX_MESSAGES
     assert net.dropped == 10
     d.send_multipart(ping(settings, "flood"))
     got = collect(net, 0.5)
     assert [h["i"] for h in got] == list(range(HELD_MAX_MESSAGES))
-    assert net._held_bytes == 0
+    assert net.held.nbytes == 0
 
 
 def numbered(h: dict, q: int) -> list:

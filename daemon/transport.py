@@ -1,0 +1,195 @@
+"""The round transport: what a ring algorithm sees of the peer links for one round.
+
+:class:`RoundTransport` implements :class:`birdnet.ring.transport.Transport` over a PeerNet for one
+:class:`~birdnet.daemon.rounds.Round`: it tags the round's messages, returns the round's data and
+nothing else, and dispatches the control messages that arrive meanwhile by type (``handle_*``).
+One class for both rings: who the round's neighbours are is its round's ring (membership.py).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+from birdnet.daemon.links import as_frame
+from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours, RoundAborted
+from birdnet.daemon.rounds import Phase, Round
+
+from birdnet import wire
+from birdnet.errors import PeerLostError, RoundTimeoutError, ShutdownError
+from birdnet.messages import Abort
+
+
+def _earlier_of_job(other: Any, key: str) -> bool:
+    """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
+    a, b = wire.split_key(other), wire.split_key(key)
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
+
+
+class RoundTransport:
+    """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
+    messages with the round key and returns the round's data, nothing else. The control messages
+    that arrive meanwhile are dispatched by type to the ``handle_*`` methods (an abort of this
+    round fails it, a new start or a lane close gives it up, the rest is stale or another round's).
+    Its :class:`~birdnet.daemon.rounds.Round` says which round, on which ring (``neighbours``:
+    FixedNeighbours by default, RingNeighbours in elastic mode) and since when; the rest is the same
+    on both rings."""
+
+    def __init__(self, net: Any, key: str, restarts_at: int | None = None, lane: bool = False,
+                 neighbours: FixedNeighbours | RingNeighbours | None = None, round: Round | None = None) -> None:
+        if round is None:
+            round = Round(key, FixedNeighbours(net) if neighbours is None else neighbours,
+                          net.neighbour_restarts if restarts_at is None else restarts_at, lane=lane,
+                          phase=Phase.RUNNING)
+        self.net, self.round = net, round
+        self.key, self.neighbours = round.key, round.ring
+        #: a lane round (started without an agreement): its messages say so, and waiting for data
+        #: is waiting for the other nodes' processes too (round_timeout, not peer_timeout)
+        self.lane = round.lane
+        #: net.neighbour_restarts when the round's agreement began: a change fails the round
+        self.restarts_at = round.since
+        self.rank, self.world = self.neighbours.rank, self.neighbours.world
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.trackers: list[Any] = []
+        #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
+        self.on_other_abort: Any = None
+        self._handlers = {"data": self.handle_data, "abort": self.handle_abort, "start": self.handle_start,
+                          "lane": self.handle_lane, "go": self.handle_go}
+
+    @property
+    def interrupt(self) -> dict | None:
+        """A ``start`` of another round that arrived meanwhile (the ring worker follows it next)."""
+        return self.round.interrupt
+
+    def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
+        h = dict(header)
+        h["k"] = self.key
+        if self.lane:
+            h["ln"] = 1
+        before = self.net.bytes_sent
+        tracker = self.neighbours.send(self.net, h, [as_frame(b) for b in buffers], True)
+        if tracker is not None:
+            self.trackers.append(tracker)
+        self.bytes_sent += self.net.bytes_sent - before
+
+    def flush(self, timeout: float) -> None:
+        """Wait until ZeroMQ has handed every buffer sent in this round to the kernel, so the
+        caller may modify or release them (they are sent without copying, often straight out of
+        a training process's shared memory)."""
+        deadline = time.monotonic() + timeout
+        for tr in self.trackers:
+            while not tr.done:
+                if time.monotonic() > deadline or self.net.stopping:
+                    raise PeerLostError(f"round {self.key}: {self._right()} did not take our data within {timeout} s")
+                try:
+                    tr.wait(min(0.05, max(0.001, deadline - time.monotonic())))
+                except zmq.NotDone:
+                    pass
+                self.net.maybe_ping()
+        self.trackers.clear()
+
+    def _right(self) -> str:
+        return self.neighbours.describe_right()
+
+    def _check_gap(self) -> None:
+        gap = self.neighbours.take_gap(self.net, self.key)
+        if gap:
+            raise PeerLostError(gap)
+
+    def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        if self.lane:
+            self._check_gap()  # early data may have come after lost messages
+            early = self.net.take_early(self.key)
+            if early is not None:
+                self.bytes_received += sum(b.nbytes for b in early["b"])
+                return early["h"], early["b"]
+            self.net.reading = self.key
+            try:
+                return self._recv(deadline)
+            finally:
+                self.net.reading = None
+        return self._recv(deadline)
+
+    def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
+        nb = self.neighbours
+        while True:
+            if self.net.stopping:
+                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.net.rank} is shutting down")
+            why = nb.why_gone(self.net, self.key, self.restarts_at)
+            if why:
+                raise PeerLostError(why)
+            self._check_gap()
+            now = time.monotonic()
+            if now >= deadline:
+                if self.lane:
+                    raise RoundTimeoutError(
+                        f"round {self.key} did not complete within round_timeout="
+                        f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
+                raise PeerLostError(
+                    f"no data from {nb.describe_left()} for round {self.key} within "
+                    f"{self.net.settings.peer_timeout} s")
+            before = self.net.bytes_received
+            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
+            if msg is None or not nb.accepts(msg):
+                continue
+            handler = self._handlers.get(msg["h"].get("t"))
+            if handler is None or not handler(msg):
+                continue
+            # data that came after lost messages is not used; control messages are handled first
+            # (a start or an abort of another round must not be lost with this one)
+            self._check_gap()
+            self.bytes_received += self.net.bytes_received - before
+            return msg["h"], msg["b"]
+
+    # -- the round's messages, by type (each True only for data this round takes) -----------------
+    def handle_data(self, msg: dict[str, Any]) -> bool:
+        """This round's data from the left; anything else is stale (a message of an earlier,
+        failed round, or of a lane round given up)."""
+        h = msg["h"]
+        return self.neighbours.from_left(msg) and h.get("k") == self.key and bool(h.get("ln")) == self.lane
+
+    def handle_abort(self, msg: dict[str, Any]) -> bool:
+        """An abort of this round fails it; one of another round (fixed ring: it names its origin)
+        is the ring worker's to remember and pass on."""
+        a = Abort.from_header(msg["h"])
+        if a is None:
+            return False
+        if a.key in (self.key, None):
+            raise RoundAborted.of(a)
+        if a.origin is not None and self.neighbours.other_aborts and self.on_other_abort is not None:
+            self.on_other_abort(a)
+            if self.lane and _earlier_of_job(a.key, self.key):
+                # An earlier round of this job failed somewhere. The node that failed it closed
+                # its lane and joins this round only once it is agreed, so no node can finish a
+                # segment of it: give it up and run it agreed (the job loses no second call).
+                # (A later one's failure is only remembered: this round can still complete.)
+                raise LaneGivenUp(self.key)
+        return False
+
+    def handle_start(self, msg: dict[str, Any]) -> bool:
+        """The leader started an agreement: this round was abandoned upstream (a lane round: the
+        leader never joined it). The start is kept for the ring worker to follow."""
+        if not self.neighbours.from_left(msg):
+            return False
+        self.round.interrupt = msg
+        if self.lane:
+            raise LaneGivenUp(self.key)
+        raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
+
+    def handle_lane(self, msg: dict[str, Any]) -> bool:
+        """The leader closes the lane at this round (a lane round gives it up), or a node asks the
+        leader to close it while the leader is in the round already (it fails)."""
+        h = msg["h"]
+        if not self.neighbours.from_left(msg) or not self.lane:
+            return False
+        if h.get("req") and self.rank == 0:
+            raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
+        if h.get("k") == self.key and not h.get("req"):
+            raise LaneGivenUp(self.key)
+        return False
+
+    def handle_go(self, msg: dict[str, Any]) -> bool:
+        """A go during a data phase is an earlier agreement's, passed on late: stale."""
+        return False
