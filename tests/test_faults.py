@@ -205,15 +205,20 @@ def test_daemon_restarted_mid_round_before_it_counts_as_lost(tmp_path, drivers, 
         cl.send_signal(killed, signal.SIGKILL)
         cl.procs[killed].wait(10)
         cl.start_node(killed)
-        assert time.monotonic() - t < PEER_TIMEOUT - 1, "the restart must beat peer_timeout for this test"
+        restart = time.monotonic() - t
+        assert restart < PEER_TIMEOUT - 1, "the restart must beat peer_timeout for this test"
         for i, x in enumerate(d):
             r = x.read(PEER_TIMEOUT + 10)
             if i == killed:
                 assert r["error"] == "DaemonUnavailableError", r
             else:
+                # failed by the restart itself (the new incarnation), not by a timeout
                 assert r["error"] == "PeerLostError" and f"neighbour rank {killed}" in r["message"], r
-                # at once, or (the late one) as soon as its process submits: never a timeout
-                assert r["seconds"] < (2 if i == late else 0) + SLACK, r
+                assert "restarted" in r["message"], r
+                # as soon as the new instance is up (the call began 0.5 s before the kill), or (the
+                # late one) as soon as its process submits: never after a timeout. The restart's
+                # own time is the machine's (1-2.5 s under load), so it is measured, not assumed.
+                assert r["seconds"] < (2 if i == late else 0) + 0.5 + restart + SLACK, (r, restart)
         for _ in range(2):
             assert [r.get("ok") for r in together(d, "round 1000")] == [6.0] * 3
 

@@ -100,7 +100,6 @@ def test_fuzz_peer_port(ring):
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"tcp://127.0.0.1:{port}")
         socks.append(s)
-    t0 = time.monotonic()
 
     @FUZZ
     @given(node=st.integers(0, 1), msg=peer_messages())
@@ -112,7 +111,6 @@ def test_fuzz_peer_port(ring):
         _drain(socks[node])
 
     fuzz()
-    assert time.monotonic() - t0 < 20
     for s in socks:
         s.close(0)
     _alive_and_working(cl)
@@ -160,7 +158,6 @@ def test_fuzz_client_socket(ring):
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"ipc://{cl.sockets[1]}")
         socks.append(s)
-    t0 = time.monotonic()
 
     import os
 
@@ -181,7 +178,6 @@ def test_fuzz_client_socket(ring):
         _drain(socks[who])
 
     fuzz()
-    assert time.monotonic() - t0 < 20
     for s in socks:
         s.send_multipart([b"birdnet/1", msgpack.packb({"t": "bye", "nbuf": 0, "sizes": []})])
         s.close(0)
