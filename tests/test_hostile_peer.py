@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 from birdnet.client import Client
-from cluster import LocalCluster, free_ports
+from cluster import LocalCluster, free_ports, wait_warm
 
 from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
@@ -47,20 +47,6 @@ def fds(pid: int) -> int:
     """Open descriptors, without the shared-memory segments of client sessions: the checks' own
     clients come and go, and the daemon lets go of a finished session's segment a little later."""
     return sum(1 for t in fd_targets(pid) if not t.startswith("/dev/shm/"))
-
-
-def wait_warm(sock: str, timeout: float = 180.0) -> None:
-    """Until the daemon's kernel warm-up (daemon/warmup.py) has nothing compiling or loading: its
-    subprocesses hold descriptors (and memory) while they run, which baselines must not count.
-    Quick when Numba's cache is warm; minutes when the kernels' sources changed on a loaded machine."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with Client(sock, job="__warm__", connect_timeout=10.0) as c:
-            k = c.status().get("kernels", {})
-        if k.get("process") not in ("not started", "compiling") and not k.get("loading") and not k.get("waiting"):
-            return
-        assert time.monotonic() < deadline, f"kernel warm-up still busy after {timeout} s: {k}"
-        time.sleep(0.5)
 
 
 def fd_targets(pid: int) -> list[str]:
@@ -192,7 +178,6 @@ def ctx():
 
 
 def _peer_states(cl: LocalCluster) -> list[str]:
-    from birdnet.client import Client
     out = []
     for s in cl.sockets:
         with Client(s, job="probe") as c:
@@ -201,7 +186,6 @@ def _peer_states(cl: LocalCluster) -> list[str]:
 
 
 def _bytes_received(cl: LocalCluster) -> list[int]:
-    from birdnet.client import Client
     out = []
     for s in cl.sockets:
         with Client(s, job="probe") as c:
