@@ -166,6 +166,7 @@ class Deployment:
             "birdnet_cluster": "ci",
             "birdnet_codec": "none",
             "birdnet_extra_config": {"round_timeout": 120.0, "codec_params": {}},
+            "birdnet_peer_allowed_networks": "hosts, 192.168.7.0/24",
         }
         values.update(more)
         return json.dumps(values)
@@ -293,7 +294,8 @@ def test_config_is_accepted_by_birdnet(deployment):
         "import json, sys; from birdnet.config import load_settings; "
         "s = load_settings(config=sys.argv[1], environ={}); "
         "print(json.dumps({k: getattr(s, k) for k in ('peers', 'rank', 'socket', 'cluster', 'codec', "
-        "'shm_group', 'local_size', 'peer_timeout', 'round_timeout', 'metrics_port', 'curve_secret_key')}))"
+        "'shm_group', 'local_size', 'peer_timeout', 'round_timeout', 'metrics_port', 'curve_secret_key', "
+        "'peer_allowed_networks')}))"
     )
     proc = subprocess.run([str(d.venv / "bin" / "python"), "-c", code, str(d.config_dir / "birdnetd.toml")],
                           capture_output=True, text=True, timeout=60)
@@ -302,7 +304,7 @@ def test_config_is_accepted_by_birdnet(deployment):
     assert s == {
         "peers": str(d.config_dir / "hosts.txt"), "rank": 0, "socket": str(d.socket), "cluster": "ci",
         "codec": "none", "shm_group": d.user, "local_size": 1, "peer_timeout": 10.0, "round_timeout": 120.0,
-        "metrics_port": None, "curve_secret_key": None,
+        "metrics_port": None, "curve_secret_key": None, "peer_allowed_networks": "hosts, 192.168.7.0/24",
     }
 
 

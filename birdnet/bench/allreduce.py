@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": a.warmup, "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
             # what the connections ran with: set, or the machine's (a new namespace's default)
             "tcp_cc": a.tcp_cc or next(iter(netns.ipv4_sysctl("tcp_congestion_control")), None),
+            "namespaces": nsc.names if a.netns else [],  # removed again on exit: the tests check so
             "command": "birdnet bench allreduce " + " ".join(argv if argv is not None else sys.argv[1:])}
     if a.json:
         print(json.dumps({"meta": meta, "rows": rows}, indent=1))
