@@ -51,7 +51,7 @@ from birdnet.daemon.rounds import Phase, Round
 from birdnet.daemon.transport import RoundTransport
 
 from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
-from birdnet.codecs.base import begin_round, commit_round, pack_buffers
+from birdnet.codecs.base import Codec, begin_round, commit_round, pack_buffers
 from birdnet.config import Settings
 from birdnet.errors import (
     BirdnetError,
@@ -305,8 +305,8 @@ class RoundRunner:
             dst = parts[0].array.reshape(-1) if (len(parts) == 1 and dtype == np.float32) else None
             lane_tag = {"key": rnd.key, "name": d.get("name"), "desc": description_digest(d, len(parts))}
             try:
-                out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts,
-                                      dst, lane_tag=lane_tag)
+                out, divided = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world,
+                                               counts, dst, lane_tag=lane_tag, mean=mean)
             except RoundMismatchError as exc:
                 raise RoundMismatchError(
                     f"{exc} (a round started without an agreement: the nodes' descriptions of tensor "
@@ -331,7 +331,8 @@ class RoundRunner:
             # codecs read x only while compressing, and never send from it).
             dst = parts[0].array.reshape(-1) if (len(parts) == 1 and dtype == np.float32
                                                  and rnd.kind == "allreduce") else None
-            out = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world, counts, dst)
+            out, divided = self._run_codec(rnd, transport, x.astype(np.float32, copy=False), rank, world,
+                                           counts, dst, mean=mean)
         flush = getattr(transport, "flush", None)
         if flush is not None:  # zero-copy sends must be done before ``out`` is touched again
             flush(self.settings.peer_timeout)
@@ -353,13 +354,16 @@ class RoundRunner:
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
                    counts: list[int], dst: np.ndarray | None = None,
-                   lane_tag: dict[str, Any] | None = None) -> np.ndarray:
+                   lane_tag: dict[str, Any] | None = None, mean: bool = False) -> tuple[np.ndarray, bool]:
         """A compressed round. ``lane_tag``: a lane round's description, carried by every message
         and checked on arrival (no agreement came before it); its waits for data are waits for the
         other nodes' processes too (round_timeout). A lane round given up leaves the codec state as
         it was (nothing is committed before the round completes, StateTxn), so it runs again once
-        agreed exactly as if it had never started."""
+        agreed exactly as if it had never started. ``mean``: the result is to be divided by the
+        processes' total; returns the result and whether that division is done already (a gathered
+        codec's sum divides in the same pass when the codec keeps no use for the sum, after_round)."""
         d = rnd.desc
+        divided = False
         params = {k: v for k, v in d["codec"].items() if k != "codec"}
         codec = get_codec(d["codec"]["codec"], **params)
         committed, tensor_round = self.states.get(rnd.job, d["name"], codec, x.size)
@@ -392,15 +396,14 @@ class RoundRunner:
             header, bufs = pack_buffers(payload)
             got = ring_allgather(transport, header, bufs, timeout=timeout, tag={**extra, "key": rnd.key})
             tc = time.perf_counter()
-            if dst is not None:
-                out = dst
-                out.fill(0.0)
-            else:
-                out = np.zeros(n, np.float32)
+            out = dst if dst is not None else np.empty(n, np.float32)  # decompress_sum writes all of it
+            payloads = []
             for r in range(world):  # rank order: the same sum, bit for bit, on every node
                 h, b = got[r]
                 views = [memoryview(np.ascontiguousarray(a)).cast("B") if isinstance(a, np.ndarray) else a for a in b]
-                codec.decompress_add(codec.payload_from_wire(h, views), out, ctx)
+                payloads.append(codec.payload_from_wire(h, views))
+            divided = mean and type(codec).after_round is Codec.after_round
+            codec.decompress_sum(payloads, out, ctx, divide_by=ctx.total_count if divided else 0)
         elif codec.pattern == Pattern.MERGED:
             # imported here: birdnet.ring.merge compiles its Numba kernels on import, seconds at
             # daemon start that a daemon whose jobs never use a merged codec should not pay
@@ -416,7 +419,7 @@ class RoundRunner:
         self.states.advance(rnd.job, d["name"])
         rnd.stats["compress_seconds"] = comp + (time.perf_counter() - tc)
         rnd.stats["state_bytes"] = self.states.total_bytes()
-        return out
+        return out, divided
 
 
 class RingWorker(threading.Thread):

@@ -203,3 +203,25 @@ def test_a_failed_round_leaves_codec_state_as_it_was(codec, params):
         got, want = _run(world, rounds(k), failing), _run(world, rounds(k), clean)
         assert [g[0].tobytes() for g in got] == [w[0].tobytes() for w in want]
     assert [_state_bytes(r) for r in failing] == [_state_bytes(r) for r in clean]
+
+
+@pytest.mark.parametrize("params", [{"density": 0.05}, {"density": 0.02, "block": 3},
+                                    {"density": 0.05, "value_dtype": "float16"}])
+def test_a_gathered_mean_divides_only_the_written_blocks_with_the_same_bits(params):
+    """The runner divides a gathered round's mean only in the blocks the payloads wrote
+    (Codec.touched_blocks): the result must be, bit for bit, the whole sum divided by the count, on
+    every node, over several rounds of error feedback (n not a multiple of the block: a short last
+    block)."""
+    world, n = 4, 20_003
+    rng = np.random.default_rng(7)
+    xs = [[rng.standard_normal(n).astype(np.float32) for _ in range(3)] for _ in range(world)]
+    runs = {}
+    for op in ("sum", "mean"):
+        runs[op] = _run(world, [[_round(k, "t", [xs[r][k].copy()], "birdplus", params, op=op) for k in range(3)]
+                                for r in range(world)],
+                        [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)])
+    for r in range(world):
+        for k in range(3):
+            want = np.divide(runs["sum"][0][k], np.float32(world))
+            assert runs["mean"][r][k].tobytes() == want.tobytes()
+    assert np.count_nonzero(runs["mean"][0][0]) < n // 2  # the sparse case the fast path is for

@@ -612,3 +612,30 @@ def test_gather_subtract_equals_gather_then_subtract(n, b):
         np.testing.assert_array_equal(v2, v1)
         if with_u:
             np.testing.assert_array_equal(u2, u1)
+
+
+def test_sum_blocks_matches_fill_scatter_and_divide():
+    """The fused gathered sum (B.sum_blocks) against its definition: zeros, one scatter-add per rank
+    in rank order, one division; bit for bit, with shared and lone blocks, a short last block,
+    float16 values, NaN, -0.0, no division, ranks with no blocks."""
+    from birdnet.kernels import blocks as B
+    rng = np.random.default_rng(3)
+    for n, b, world, dt, d in ((1001, 8, 4, np.float32, 4.0), (64, 1, 3, np.float32, 0.0),
+                               (17, 5, 2, np.float16, 3.0), (0, 4, 2, np.float32, 2.0), (800, 8, 4, np.float32, 7.0)):
+        m = -(-n // b)
+        ids = [np.sort(rng.choice(m, size=rng.integers(0, m + 1), replace=False)) if m else np.zeros(0, np.int64)
+               for _ in range(world)]
+        ids[-1] = ids[-1][:0] if world > 2 else ids[-1]  # a rank that kept nothing
+        vals = [rng.standard_normal(i.shape[0] * b).astype(dt) for i in ids]
+        if n == 800:
+            vals[0][:3] = [np.nan, -0.0, np.inf]
+        want = np.zeros(n, np.float32)
+        for i, v in zip(ids, vals):
+            B.scatter_blocks(v, b, i.astype(np.uint32), want, add=True)
+        if d:
+            np.divide(want, np.float32(d), out=want)
+        out = np.full(n, 5.0, np.float32)  # what the round's input left there
+        B.sum_blocks(out, b, [i.astype(np.uint32) for i in ids], vals, d)
+        assert out.tobytes() == want.tobytes(), (n, b)
+    with pytest.raises(ValueError, match="outside"):
+        B.sum_blocks(np.zeros(16, np.float32), 8, [np.array([2])], [np.zeros(8, np.float32)], 2)

@@ -160,6 +160,18 @@ class Codec:
         """GATHERED: add one node's decompressed contribution into ``out`` (float32, length n)."""
         raise NotImplementedError
 
+    def decompress_sum(self, payloads: list[Payload], out: np.ndarray, ctx: RoundContext,
+                       divide_by: float = 0.0) -> None:
+        """GATHERED: ``out`` = the sum of every node's (validated) payload, ``payloads[r]`` being
+        rank r's, divided by ``divide_by`` unless it is 0. This default is the definition: zero
+        ``out``, ``decompress_add`` in rank order, one ``np.divide``; a codec may do the same in
+        fewer passes if its result has the same bits (the round runner calls this)."""
+        out.fill(0.0)
+        for p in payloads:
+            self.decompress_add(p, out, ctx)
+        if divide_by:
+            np.divide(out, out.dtype.type(divide_by), out=out)
+
     def after_round(self, state: Any, result_sum: np.ndarray, ctx: RoundContext) -> None:
         """Called with the dense sum once the round is complete (e.g. global compensation)."""
 

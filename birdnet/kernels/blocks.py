@@ -407,6 +407,82 @@ def scatter_blocks(vals: np.ndarray, b: int, ids: np.ndarray, out: np.ndarray, a
         kern(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
 
 
+@njit("void(float32[::1], int64, int64[::1], int64[::1], float32[::1], float32)", cache=True)
+def _sum_blocks(out, b, ids, off, vals, d):
+    # One ascending sweep over ``out``: the gaps between kept blocks are zeroed, each kept block is
+    # 0.0 + rank 0's values + rank 1's ... (the ranks that kept it, in rank order: the additions a
+    # fill(0) and one scatter-add per rank make), then divided by d (d = 0: not divided). Each
+    # rank's ids are distinct and ascending (validated payloads), so a cursor per rank merges them.
+    n = out.shape[0]
+    world = off.shape[0] - 1
+    pos = off[:world].copy()
+    acc = np.empty(b, np.float32)
+    done = 0  # out[:done] is final
+    while True:
+        j = np.int64(-1)
+        for r in range(world):
+            if pos[r] < off[r + 1]:
+                c = ids[pos[r]]
+                if j < 0 or c < j:
+                    j = c
+        if j < 0:
+            break
+        lo = j * b
+        hi = min(n, lo + b)
+        # loops from 0 over views (see above: they vectorise; the gap's zeroing becomes a memset)
+        gap = out[done:lo]
+        for i in range(gap.shape[0]):
+            gap[i] = 0.0
+        # the block is summed in ``acc`` and stored once: reading out back right after writing it
+        # waited for its cache line from memory at every block (3x slower at 4 nodes, 11.7M)
+        w = hi - lo
+        for i in range(w):
+            acc[i] = 0.0
+        for r in range(world):
+            p = pos[r]
+            if p < off[r + 1] and ids[p] == j:
+                src = vals[p * b:p * b + w]
+                for i in range(w):
+                    acc[i] = acc[i] + src[i]
+                pos[r] = p + 1
+        blk = out[lo:hi]
+        if d != 0.0:
+            for i in range(w):
+                blk[i] = acc[i] / d
+        else:
+            for i in range(w):
+                blk[i] = acc[i]
+        done = hi
+    rest = out[done:]
+    for i in range(rest.shape[0]):
+        rest[i] = 0.0
+
+
+def sum_blocks(out: np.ndarray, b: int, ids: list[np.ndarray], vals: list[np.ndarray], divide_by: float = 0.0) -> None:
+    """``out`` = the sum of every rank's kept blocks (``ids[r]``: distinct, ascending, < m;
+    ``vals[r]``: their values, b per id, float32 or float16) in rank order, zero elsewhere, divided
+    by ``divide_by`` unless it is 0, in one pass over ``out``. Bit-identical to ``out.fill(0)``,
+    :func:`scatter_blocks` with ``add=True`` per rank in rank order, then ``np.divide(out,
+    float32(divide_by))`` (0 / d is +0.0), without the two further passes over the whole array and
+    the random visits of each rank's blocks (11.7M float32, 4 nodes: the fill, four scatters and
+    the division were 29% of a BIRD+ round's ring thread)."""
+    _check(out, np.float32, "sum_blocks out")
+    if len(ids) != len(vals):
+        raise ValueError(f"sum_blocks: {len(ids)} id arrays for {len(vals)} value arrays")
+    m = -(-out.shape[0] // b)
+    for i, v in zip(ids, vals):
+        if v.shape[0] != i.shape[0] * b:
+            raise ValueError(f"sum_blocks: {v.shape[0]} values for {i.shape[0]} blocks of {b}")
+        if i.shape[0] and (int(i[-1]) >= m):
+            raise ValueError(f"sum_blocks: block id {int(i[-1])} outside [0, {m})")
+    off = np.zeros(len(ids) + 1, np.int64)
+    off[1:] = np.cumsum([i.shape[0] for i in ids])
+    all_ids = np.concatenate([np.asarray(i).astype(np.int64, copy=False) for i in ids]) if ids else np.zeros(0, np.int64)
+    all_vals = (np.concatenate([np.asarray(v).astype(np.float32, copy=False) for v in vals]) if vals
+                else np.zeros(0, np.float32))
+    _sum_blocks(out, np.int64(b), all_ids, off, all_vals, np.float32(divide_by))
+
+
 def gather_subtract(v: np.ndarray, u: np.ndarray | None, b: int, ids: np.ndarray, scale: np.ndarray,
                     out: np.ndarray) -> np.ndarray:
     """:func:`gather_blocks` from the error-feedback accumulator ``v`` followed by
