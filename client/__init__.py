@@ -132,18 +132,27 @@ class Client:
         The daemon's Unix socket (default: ``$BIRDNET_SOCKET``, else the daemon's default path).
     job : str
         The training run this process belongs to; all its processes use the same name.
+    local_rank : int, optional
+        This process's place among the job's processes on this node (``0 .. --local-size - 1``), for
+        example a launcher's ``LOCAL_RANK``; the daemon refuses it, naming the holder, when another
+        live process of the job has it. None (the default): the lowest free one, so with
+        ``--local-size > 1`` local ranks follow the order in which processes connect.
     """
 
     #: the connection's class (tests replace it with one that sends what an older client would)
     _Connection = Connection
 
     def __init__(self, socket: str | None = None, job: str = "default", *,
-                 connect_timeout: float = CONNECT_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT,
+                 local_rank: int | None = None) -> None:
+        if local_rank is not None and (isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0):
+            raise InputError(f"local_rank={local_rank!r}: expected a non-negative int (0 .. birdnetd's --local-size - 1) "
+                             "or None for the lowest free one")
         self.socket_path = socket or _default_socket()
         self.job = job
         self.connect_timeout = connect_timeout
         self.reconnect_timeout = reconnect_timeout
-        self._conn = self._Connection(self.socket_path, job)
+        self._conn = self._Connection(self.socket_path, job, local_rank)
         self._replies = Replies(self._conn)
         self._pool = SlotPool(self._alloc)
         self._seq = 0

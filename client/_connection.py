@@ -71,8 +71,9 @@ def check_access(path: str) -> None:
 class Connection:
     """The socket to the daemon at ``socket_path`` for ``job``, with its monitor and doorbells."""
 
-    def __init__(self, socket_path: str, job: str) -> None:
+    def __init__(self, socket_path: str, job: str, local_rank: int | None = None) -> None:
         self.socket_path, self.job = socket_path, job
+        self.local_rank = local_rank  #: the local rank asked for in every hello (None: the next free one)
         self._ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -100,7 +101,10 @@ class Connection:
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.lost = None
-        self.send({"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid(), "door": True})
+        hello = {"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid(), "door": True}
+        if self.local_rank is not None:
+            hello["local_rank"] = self.local_rank
+        self.send(hello)
         try:
             reply = self.recv(time.monotonic() + timeout)
         except RoundTimeoutError:

@@ -193,8 +193,23 @@ def _engine(job: str, socket: str | None, client: Client | None = None, timeout:
     with _engines_lock:
         e = _engines.get((path, job))
         if e is None:
-            e = _engines[(path, job)] = _Engine(Client(path, job=job), timeout)
+            e = _engines[(path, job)] = _Engine(Client(path, job=job, local_rank=launcher_local_rank()), timeout)
         return e
+
+
+def launcher_local_rank() -> int | None:
+    """A launcher's ``LOCAL_RANK`` (torchrun sets it), asked of the daemon so that its numbering and
+    the launcher's agree with ``--local-size > 1`` too; None when it is not set."""
+    raw = os.environ.get("LOCAL_RANK")
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InputError(f"LOCAL_RANK={raw!r} is not a non-negative integer; unset it or let the launcher set it")
+    return value
 
 
 def _forget(e: _Engine) -> None:

@@ -72,8 +72,8 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     In the spirit of 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022): the first
     ``warmup_steps`` steps travel dense and Adam runs as usual; then the second moment is frozen
     (``exp_avg_sq`` stops changing, its bias correction stays that of the last warm-up step),
-    refreshed from a dense all-reduce of the raw gradient at the warm-up's end + 16, + 48, + 112,
-    ... steps (``ADAM_REFRESH_STEPS``; time-weighted, ``v = b2**k v + (1 - b2**k) g**2`` over the k
+    refreshed from an all-reduce of the raw gradient in float16 (``ADAM_REFRESH_CODEC``, scaled by a
+    power of two from the second moment) at the warm-up's end + 16, + 48, + 112, ... steps (``ADAM_REFRESH_STEPS``; time-weighted, ``v = b2**k v + (1 - b2**k) g**2`` over the k
     steps since the last sample, the bias correction moved to that step); the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
     feedback or Marsit's compensation) and the adapter updates
     ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)`` with ``m = (1 - beta1) * result + carry``.
@@ -81,7 +81,8 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     settled (its relative L1 change over 8 steps at most 0.3), 40 steps at most. With a sign codec
     (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
     elements travels in a bucket of its own, since one scale for the whole model, divided by each
-    coordinate's denominator, steps the tensors with small gradients many times Adam's step.
+    coordinate's denominator, steps the tensors with small gradients many times Adam's step; the
+    small ones share a dense bucket, float16 after the warm-up (``ADAM_SMALL_CODEC``).
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
     selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
     the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
@@ -122,6 +123,7 @@ from birdnet.client._torch_broadcast import broadcast_optimizer_state, broadcast
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
 from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
     _SMALL_TENSOR,
+    ADAM_REFRESH_CODEC,
     ADAM_REFRESH_STEPS,
     ADAM_WARMUP_CHANGE,
     ADAM_WARMUP_STEPS,
@@ -174,6 +176,8 @@ class _Bucket:
         self.var: torch.Tensor | None = None
         self.var_array: np.ndarray | None = None
         self.var_views: dict[int, torch.Tensor] = {}
+        self.var_scale: dict[int, float] = {}  # id(param) -> the refresh's power of two (_half_scale)
+        self.half_scale: dict[int, float] = {}  # id(param) -> its power of two when ``dense`` travels in fp16
         self.var_handle: Handle | None = None
         self.refresh = False  # this step's raw gradients are staged in ``var``
         self.coded = False  # the codec compressed this bucket last step (not the dense threshold)
@@ -366,10 +370,14 @@ class _DistributedOptimizer(_Recipes):
         if g.is_sparse:
             raise InputError(f"gradient of {self._name_of(b, p)!r} is sparse; birdnet reduces dense tensors")
         if g.device.type == "cuda":  # pragma: no cover - untested here (no GPU)
+            if self._small_codec(b) == "fp16":
+                g = g * b.half_scale.setdefault(id(p), self._half_scale(self.param_groups[b.group], p))
             view.copy_(g, non_blocking=True)
             if self._refreshing(b):
                 b.allocate_var(self._bn_client)
-                b.var_views[id(p)].copy_(g, non_blocking=True)
+                sc = b.var_scale[id(p)] = (self._half_scale(self.param_groups[b.group], p)
+                                           if self._refresh_codec() == "fp16" else 1.0)
+                b.var_views[id(p)].copy_(g * sc, non_blocking=True)
                 b.refresh = True
             ev = torch.cuda.Event()
             ev.record()
@@ -379,8 +387,13 @@ class _DistributedOptimizer(_Recipes):
             view.copy_(g)
         if self._refreshing(b):
             b.allocate_var(self._bn_client)
-            b.var_views[id(p)].copy_(view)  # the raw gradient, before any scaling
+            sc = b.var_scale[id(p)] = (self._half_scale(self.param_groups[b.group], p)
+                                       if self._refresh_codec() == "fp16" else 1.0)
+            b.var_views[id(p)].copy_(view).mul_(sc)  # the raw gradient (before the codec's scaling)
             b.refresh = True
+        if self._small_codec(b) == "fp16":
+            sc = b.half_scale[id(p)] = self._half_scale(self.param_groups[b.group], p)
+            view.mul_(sc)
         denom = self._send_scale(b, p)
         if denom is not None:
             view.div_(denom)
@@ -408,11 +421,11 @@ class _DistributedOptimizer(_Recipes):
         codec = g.get("birdnet_codec", self._bn_codec)
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
         if self._warming_up(g) or b.dense:
-            codec, params = "none", {}
+            codec, params = self._small_codec(b), {}
         b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
         if b.refresh:  # right after the codec's round, in the same order on every process
             b.var_handle = self._bn_client.allreduce_async(b.var_array, op="mean", name="var" + b.name[4:],
-                                                           codec="none")
+                                                           codec=self._refresh_codec())
 
     @staticmethod
     def _name_of(b: _Bucket, p: torch.Tensor) -> str:
@@ -440,9 +453,13 @@ class _DistributedOptimizer(_Recipes):
                     b.handle = None
                     stats.append(dict(h.stats, name=b.name))
                     recipe = self._bn_recipe.get(b.group)
-                    coded = b.coded = h.stats.get("codec") not in (None, "none")
+                    coded = b.coded = h.stats.get("codec") not in (None, "none", "fp16")
                     for _n, p, _o, _k in b.entries:
                         self._unstage(b, p)
+                        sc = b.half_scale.get(id(p))
+                        if sc is not None and p.grad is not None:
+                            # back from float16's scale; an overflowed coordinate counts as 0
+                            p.grad.div_(sc).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
                         if id(p) in b.scaled and p.grad is not None:
                             p.grad.mul_(self._bn_denom[id(p)])  # back to gradient units
                         if recipe is not None and p.grad is not None:
@@ -455,7 +472,7 @@ class _DistributedOptimizer(_Recipes):
                         g = self.param_groups[b.group]
                         for _n, p, _o, _k in b.entries:
                             if self.state.get(p, {}).get("birdnet_coded"):
-                                self._refresh_variance(g, p, b.var_views[id(p)])
+                                self._refresh_variance(g, p, b.var_views[id(p)], b.var_scale.get(id(p), 1.0))
                 self.last_stats = stats
                 self._bn_synced = True
             finally:
@@ -476,6 +493,8 @@ class _DistributedOptimizer(_Recipes):
             b.refresh = False
             b.ready.clear()
             b.scaled.clear()
+            b.var_scale.clear()
+            b.half_scale.clear()
             b.events.clear()
         self._bn_counts.clear()
         self._bn_next = 0

@@ -403,9 +403,7 @@ def _check_launcher(client: Client) -> None:
             f"{client.local_rank} of --local-size {client.local_size}, so rank {client.rank} of {client.size}. "
             "Launch one process per --local-size slot on every node of the hosts file (torchrun: --nnodes "
             f"{client.world} --nproc-per-node {client.local_size} --node-rank <the node's line in the hosts file>), "
-            "or unset RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE and read dist.get_rank(). With --local-size > 1 "
-            "birdnetd gives local ranks in the order processes connect, so a launcher's LOCAL_RANK can only match "
-            "by chance: start those processes without it")
+            "or unset RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE and read dist.get_rank()")
 
 
 def _create(store, rank: int, size: int, timeout) -> BirdnetProcessGroup:

@@ -17,7 +17,9 @@ request     reply
 ==========  ===================================================================================
 ``hello``   ``welcome`` {rank, size, local_rank, local_size, node, world, version, door, bell} — or
             ``error`` (``door`` and ``bell``, when the hello asked with ``door: true``: the names of
-            the result FIFO and the submit FIFO under /dev/shm; see :mod:`birdnet.door`)
+            the result FIFO and the submit FIFO under /dev/shm; see :mod:`birdnet.door`). A hello
+            with ``local_rank`` gets that local rank or an error naming who holds it; without, the
+            lowest free one
 ``alloc``   ``shm`` {slot, name, nbytes}: a segment the daemon created for this session
 ``submit``  later ``done`` {call, stats} (the result is in the slot) or ``error`` {call, error, message};
             a submit may come through the submit FIFO instead (only submits are taken there), and
@@ -150,7 +152,8 @@ _CALL = ("call", _int(-2**63, 2**63 - 1), False)
 #: request (Daemon.dispatch), so handlers trust types and ranges; what needs the daemon's state
 #: (a slot that exists, a root within the job) the handlers check.
 REQUESTS: dict[str, tuple[tuple[str, Any, bool], ...]] = {
-    "hello": (_CALL, ("job", _str(1, 200), True), ("pid", _int(1, MAX_PID), True), ("door", _bool, False)),
+    "hello": (_CALL, ("job", _str(1, 200), True), ("pid", _int(1, MAX_PID), True), ("door", _bool, False),
+              ("local_rank", _int(0, 2**31 - 1), False)),
     "alloc": (_CALL, ("slot", _int(0, MAX_SLOTS - 1), True), ("nbytes", _int(0, MAX_SEGMENT_BYTES), True)),
     "submit": (("call", _int(-2**63, 2**63 - 1), True), ("seq", _int(0, MAX_SEQ), True),
                ("kind", _one_of(KINDS), True), ("door", _bool, False),
@@ -663,12 +666,29 @@ class Daemon:
             # a new incarnation of the job on this node may number its rounds from 0 again: the
             # ring worker forgets the job's aborted rounds (RingWorker.aborted)
             self.worker.restarted_jobs.append(job)
-        free = [i for i in range(self.settings.local_size) if i not in j.sessions]
-        if not free:
-            raise InputError(f"job {job!r} already has {self.settings.local_size} process(es) on this node "
-                             f"(pids {sorted(s.pid for s in j.sessions.values())}); start birdnetd with "
-                             "--local-size N for N training processes per node, or use another job name")
-        idx = free[0]
+        ls = self.settings.local_size
+        want = h.get("local_rank")  # a launcher's LOCAL_RANK (Client(local_rank=)); else the next free one
+        if want is not None:
+            if want >= ls:
+                raise InputError(f"job {job!r} asked for local rank {want}, but birdnetd runs with --local-size {ls} "
+                                 f"(local ranks 0..{ls - 1}); launch {ls} process(es) per node, or start birdnetd "
+                                 f"with --local-size {want + 1} or more on every node")
+            holder = j.sessions.get(want)
+            if holder is not None and not pid_alive(holder.pid):
+                self.end_session(holder.identity, "process exited")
+                holder = None
+            if holder is not None:
+                raise InputError(f"job {job!r}: local rank {want} on this node is taken by pid {holder.pid}; give "
+                                 f"each of the node's processes its own local rank (0..{ls - 1}), or use another "
+                                 "job name")
+            idx = want
+        else:
+            free = [i for i in range(ls) if i not in j.sessions]
+            if not free:
+                raise InputError(f"job {job!r} already has {ls} process(es) on this node "
+                                 f"(pids {sorted(s.pid for s in j.sessions.values())}); start birdnetd with "
+                                 "--local-size N for N training processes per node, or use another job name")
+            idx = free[0]
         if self.worker is not None:
             self.worker.departed.pop(job, None)  # the job is whole again on this node
         s = Session(identity, pid, job, idx, uid=uid)
@@ -686,7 +706,6 @@ class Daemon:
         self.sessions[identity] = s
         j.sessions[idx] = s
         log.info("client pid %d joined job %r as local rank %d", pid, job, idx)
-        ls = self.settings.local_size
         welcome = {"t": "welcome", "rank": self.rank * ls + idx, "size": self.world * ls, "local_rank": idx,
                    "local_size": ls, "node": self.rank, "world": self.world, "version": __version__}
         if s.door is not None and s.bell is not None:

@@ -333,6 +333,10 @@ main() {
   local t0=$SECONDS
   mkdir -p "$cache" "$log_dir"
   need_tools
+  # the mixed ring's x86_64 daemons run from the host's birdnet: say so now, not after the checks
+  if [ "$do_mixed" = 1 ] && ! "$python_host" -c 'import birdnet.daemon' >/dev/null 2>&1; then
+    die "--mixed-ring runs the x86_64 nodes with $python_host, which cannot import birdnet; activate a venv with birdnet installed (pip install -e .) or set PYTHON=/path/to/that/python"
+  fi
   build_rootfs
   pick_runner
   fetch_wheels

@@ -204,6 +204,24 @@ def test_shared_mode_sums_over_the_ring_bit_identically(world, proposers):
         assert np.count_nonzero(nz) <= res[0][2] * b
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [3, 8])
+def test_shared_mode_with_feedback_lowpass_identical_on_every_node(world):
+    # the filter changes only each node's accumulator: sums, results and next selections stay
+    # bit-identical everywhere, and what is sent is still the accumulator after this round's momentum
+    n = 20_011
+    c = get_codec("birdplus", mode="shared", momentum=0.9, density=0.02, feedback_lowpass=0.5)
+    for xs, before, res, after in ring_rounds(c, world, n, 4):
+        assert len({r[0].tobytes() for r in res}) == 1
+        for s in after[1:]:
+            np.testing.assert_array_equal(s["ids"], after[0]["ids"])
+        sent = sum(before[r]["v"].astype(np.float64) + 0.9 * before[r]["u"] + xs[r] for r in range(world))
+        nz = res[0][0] != 0
+        np.testing.assert_allclose(res[0][0][nz], sent[nz], rtol=1e-5, atol=1e-6)
+        # no state beyond v, u and the selection (8 bytes per id + its round)
+        assert c.state_nbytes(after[0]) == 8 * n + 8 * after[0]["ids"].shape[0] + 8
+
+
 @pytest.mark.parametrize("proposers", ["every", "rotating"])
 def test_shared_mode_float16_wire_carries_the_ids_exactly(proposers):
     n = 300_000  # m = 37,500 blocks > 2**11: ids need two float16 digits
@@ -284,6 +302,44 @@ def test_momentum_correction_reference():
         u[kept] = 0
         np.testing.assert_array_equal(st["v"], v)
         np.testing.assert_array_equal(st["u"], u)
+
+
+@pytest.mark.parametrize("mode", ["local", "shared"])
+def test_feedback_lowpass_reference(mode):
+    # ScaleCom's low-pass filter on the error feedback: v <- (1 - beta) v + beta (v + u - sent); a
+    # kept block keeps (1 - beta) of its old accumulator, an unsent one takes beta of the momentum
+    n, b, mom, beta = 512, 8, 0.9, 0.3
+    c = get_codec("birdplus", density=0.25, block=b, momentum=mom, scale="none", mode=mode,
+                  feedback_lowpass=beta)
+    st = c.new_state(n)
+    u = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    for r in range(5):
+        x = grad(n, r, b)
+        if mode == "shared":  # one node: its payload is the sum
+            ctx = contexts(n, world=1, rnd=r)[0]
+            p = c.compress(x, ctx, st)
+            out = np.empty(n, np.float32)
+            c.decompress(type(p)(header=p.header, values=p.values.copy()), out, ctx, st)
+        else:
+            out, p = decompress_one(c, x, contexts(n, rnd=r)[0], st)
+        u = np.float32(mom) * u + x
+        full = v + u
+        kept = np.zeros(n, bool)
+        nz = np.flatnonzero(out)
+        for i in np.unique(nz // b):
+            kept[i * b:(i + 1) * b] = True
+        np.testing.assert_array_equal(out[kept], full[kept])
+        sent = np.where(kept, full, np.float32(0))
+        v = np.float32(beta) * (full - sent) + np.float32(1 - beta) * v
+        u[kept] = 0
+        np.testing.assert_allclose(st["v"], v, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(st["u"], u)
+    for bad in (0.0, 1.5, True, "x"):
+        with pytest.raises(CodecError, match="feedback_lowpass"):
+            get_codec("birdplus", feedback_lowpass=bad)
+    with pytest.raises(CodecError, match="feedback_lowpass"):
+        get_codec("birdplus", feedback_lowpass=0.5, accumulator="block_age")
 
 
 def test_edge_cases_small_and_dominant():
@@ -418,7 +474,8 @@ def test_proposal_kernels_against_numpy():
 
 
 @pytest.mark.parametrize("params", [{}, {"momentum": 0.9}, {"accumulator": "block_age", "momentum": 0.9},
-                                    {"value_dtype": "float16"}])
+                                    {"value_dtype": "float16"}, {"momentum": 0.9, "feedback_lowpass": 0.5},
+                                    {"momentum": 0.9, "feedback_lowpass": 0.5, "mode": "shared"}])
 def test_birdplus_round_in_a_state_txn_equals_in_place(params):
     """The daemon runs each round on a StateTxn (committed only when the round completes): the norm
     pass writes the accumulators into the round's scratch instead of updating a copy. Payloads and

@@ -276,3 +276,53 @@ def test_results_stay_in_shared_memory_while_the_caller_holds_them(tmp_path):
         # a loop that drops each result at the next call: two slots take turns, none is added
         assert r["slots_after_loop"] <= r["slots_after_held"] + 1
         assert r["loop_value"] == size * (size + 1) / 2 + size * 10 * (kept + 5)
+
+
+def _ask_local_rank(sock, node, local):
+    """The first process asks for local rank 1, the second for 0: the reverse of any order."""
+    from birdnet.client import Client
+    want = 1 - local
+    with Client(sock, local_rank=want) as c:
+        out = c.allreduce(np.full(4, float(c.rank), np.float32), op="sum", name="x", timeout=30)
+        return want, c.local_rank, c.rank, out.tolist()
+
+
+def _hold_local_rank(sock, local_rank, job):
+    from birdnet.client import Client
+
+    from birdnet.errors import InputError
+    try:
+        with Client(sock, job=job, local_rank=local_rank):
+            return None
+    except InputError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_a_local_rank_asked_for_is_given_and_one_taken_or_too_high_is_refused_by_name(tmp_path):
+    import multiprocessing as mp
+    import os
+
+    from birdnet.client import Client
+
+    from birdnet.errors import InputError
+    with LocalCluster(1, tmp_path, local_size=2) as cl:
+        res = cl.run(_ask_local_rank)
+        for want, got, rank, out in res:
+            assert got == want and rank == want  # one node: rank = local rank
+            assert out == [1.0] * 4  # ranks 0 + 1
+        sock = cl.sockets[0]
+        with pytest.raises(InputError, match=r"local rank 2, but birdnetd runs with --local-size 2"):
+            Client(sock, job="held", local_rank=2)
+        with pytest.raises(InputError, match="expected a non-negative int"):
+            Client(sock, job="held", local_rank=-1)
+        with Client(sock, job="held", local_rank=0) as holder:
+            assert holder.local_rank == 0
+            with mp.get_context("spawn").Pool(1) as pool:
+                why = pool.apply_async(_hold_local_rank, (sock, 0, "held")).get(60)
+                assert why is not None and f"local rank 0 on this node is taken by pid {os.getpid()}" in why, why
+                # the other local rank is free
+                assert pool.apply_async(_hold_local_rank, (sock, 1, "held")).get(60) is None
+            # and the refused process took nothing from the holder
+            (proc,) = holder.status()["jobs"]["held"]["processes"]
+            assert proc["local_rank"] == 0 and proc["pid"] == os.getpid()

@@ -305,6 +305,20 @@ def test_import_without_torch_distributed():
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
 
 
+def test_launcher_local_rank_is_read_from_the_environment(monkeypatch):
+    from birdnet.client._torch_engine import launcher_local_rank
+
+    from birdnet.errors import InputError
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert launcher_local_rank() is None
+    monkeypatch.setenv("LOCAL_RANK", " 3 ")
+    assert launcher_local_rank() == 3
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("LOCAL_RANK", bad)
+        with pytest.raises(InputError, match="is not a non-negative integer"):
+            launcher_local_rank()
+
+
 # -- 4 processes: 2 nodes x 2 local processes -------------------------------------------------------
 def worker4(sock, node, local, store):
     """DDP with 4 processes, 2 per daemon: the daemon reduces its two processes locally, then the
@@ -314,9 +328,12 @@ def worker4(sock, node, local, store):
     import torch.distributed as dist
     from birdnet.client import torch_dist
     out: dict = {}
+    # a launcher's LOCAL_RANK, the reverse of the workers' own numbering: the daemon gives exactly it
+    os.environ["LOCAL_RANK"] = str(1 - local)
     pg = bnt.init_process_group(job="ddp4", socket=sock, timeout=60)
     rank, world = dist.get_rank(), dist.get_world_size()
     out["rank"], out["world"], out["where"] = rank, world, (node, pg.client.rank)
+    out["local"] = (local, pg.client.local_rank)
     t = torch.tensor([1.0 + rank, float(rank == 3)])
     dist.all_reduce(t)
     out["sum"] = t.tolist()
@@ -353,8 +370,9 @@ def results4(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_four_processes_ranks_and_collectives(results4):
     assert [r["rank"] for r in results4] == [0, 1, 2, 3]
-    # node rank x local_size + local rank (the daemon numbers a node's processes as they join)
+    # node rank x local_size + local rank, the local rank the launcher's LOCAL_RANK asked for
     assert [r["where"] for r in results4] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert all(got == 1 - local for local, got in (r["local"] for r in results4))
     for r in results4:
         assert r["world"] == 4
         assert r["sum"] == [10.0, 1.0]

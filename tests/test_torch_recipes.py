@@ -179,6 +179,64 @@ def test_refreshes_come_at_doubling_intervals_after_the_warm_up(monkeypatch):
     assert not opt._refreshing(b)
 
 
+def fp16_round_trip(x: np.ndarray) -> np.ndarray:
+    """What the fp16 codec does to one process's values on the wire (a 1-node mean)."""
+    return x.astype(np.float16).astype(np.float32)
+
+
+def test_float16_travel_is_scaled_by_a_power_of_two_from_the_second_moment():
+    """Refreshes and an Adam group's small tensors travel in float16, scaled so the tensor's largest
+    RMS gradient (sqrt(max v / bc2)) is about 2**8: gradients a million times smaller than that
+    keep float16's relative precision (2**-11) instead of underflowing, and the scale is exact."""
+    b2 = 0.999
+    p = torch.nn.Parameter(torch.zeros(1000))
+    opt = bare(torch.optim.AdamW, [p], ("adam", 0.9, 0.0), lr=0.01)
+    g = opt.param_groups[0]
+    rms = torch.logspace(-9, -3, 1000)  # a tensor whose coordinates' gradients span 6 decades
+    opt.state[p].update(step=torch.tensor(20.0), exp_avg=torch.zeros(1000),
+                        exp_avg_sq=rms * rms * (1 - b2 ** 20))
+    sc = opt._half_scale(g, p)
+    assert sc == 2.0 ** (rec.HALF_HEADROOM_LOG2 + 9)  # largest RMS 1e-3 = 2**-9.97: ceil -9, scaled into (2**7, 2**8]
+    assert np.log2(sc) == int(np.log2(sc))
+    grad = (rms * torch.linspace(-3, 3, 1000)).numpy()  # up to 3 sigma
+    scaled = fp16_round_trip(grad * np.float32(sc)) / np.float32(sc)
+    big = np.abs(grad) > 1e-3 * 1e-6  # everything above a millionth of the largest RMS
+    rel = np.abs(scaled[big] - grad[big]) / np.abs(grad[big])
+    assert rel.max() <= 2.0 ** -11
+    unscaled = fp16_round_trip(grad)  # without the scale: float16 loses these below 6e-8 (subnormal) to 0
+    assert (np.abs(unscaled[big] - grad[big]) / np.abs(grad[big])).max() > 0.01
+    # no variance yet (or all zero): no scale
+    opt.state[p]["exp_avg_sq"] = torch.zeros(1000)
+    assert opt._half_scale(g, p) == 1.0
+
+
+def test_a_refresh_in_float16_matches_float32_and_an_overflow_is_dropped():
+    p = torch.nn.Parameter(torch.zeros(200))
+    opt = bare(torch.optim.AdamW, [p], ("adam", 0.9, 0.0), lr=0.01)
+    g = opt.param_groups[0]
+    gen = torch.Generator().manual_seed(4)
+    v0 = torch.rand(200, generator=gen) * 1e-6
+    mean = torch.randn(200, generator=gen) * 1e-3
+    g["birdnet_step"] = 29  # this refresh is Adam's step 30; the variance froze at step 10
+
+    def fresh():
+        opt.state[p].update(step=torch.tensor(10.0), exp_avg=torch.zeros(200), exp_avg_sq=v0.clone())
+
+    fresh()
+    opt._refresh_variance(g, p, mean.clone())
+    want = opt.state[p]["exp_avg_sq"].clone()
+    assert float(opt.state[p]["step"]) == 30
+    fresh()
+    sc = opt._half_scale(g, p)
+    half = torch.from_numpy(fp16_round_trip((mean * sc).numpy()))
+    opt._refresh_variance(g, p, half, sc)
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"], want, rtol=2.0 ** -10, atol=0.0)
+    fresh()
+    half[7] = float("inf")  # float16 overflowed: the same Inf on every process
+    opt._refresh_variance(g, p, half, sc)
+    assert torch.equal(opt.state[p]["exp_avg_sq"], v0) and float(opt.state[p]["step"]) == 10
+
+
 @pytest.mark.parametrize("growth,expected", [(1.0, None), (1.5, 12)])
 def test_the_automatic_warm_up_ends_when_the_second_moment_settles(monkeypatch, growth, expected):
     """Gradients of a fixed distribution: the bias-corrected second moment settles and the warm-up
@@ -349,7 +407,7 @@ def adamw_worker(sock, node, local, codec):
         model, opt, sched = make_adamw(client, codec)
         g = torch.Generator().manual_seed(10 + client.rank)
         data = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
-        codecs, digests, refreshes = [], [], []
+        codecs, digests, refreshes, refresh_codecs = [], [], [], []
         saved = None
         for s, (x, y) in enumerate(data):
             if s == SAVE:
@@ -357,6 +415,7 @@ def adamw_worker(sock, node, local, codec):
             one_step(model, opt, sched, x, y)
             codecs.append(sorted({st["codec"] for st in opt.last_stats}))
             refreshes.append([st["name"] for st in opt.last_stats if st["name"].startswith("var/")])
+            refresh_codecs.append([st["codec"] for st in opt.last_stats if st["name"].startswith("var/")])
             digests.append(digest(model))
         state = opt.state_dict()
         opt.remove_hooks()
@@ -377,6 +436,7 @@ def adamw_worker(sock, node, local, codec):
             one_step(model2, opt2, sched2, x, y)
             replay.append(digest(model2))
         return {"rank": client.rank, "codecs": codecs, "digests": digests, "replay": replay, "refreshes": refreshes,
+                "refresh_codecs": refresh_codecs,
                 "warmup": opt.birdnet_warmup_steps, "warmup_after_restore": opt2.birdnet_warmup_steps,
                 "final": flat(model), "final_after_restore": flat(model2), "saved": saved[0],
                 "carry_restarted": carry_restarted, "reset_pending": reset_pending,
@@ -388,12 +448,16 @@ def adamw_worker(sock, node, local, codec):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["marsit", "birdplus"])
 def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
-    with LocalCluster(2, tmp_path) as cl:
+    # a dense threshold under the small tensors' bucket (538 elements), which travels fp16 then
+    with LocalCluster(2, tmp_path, extra=["--dense-threshold", "256"]) as cl:
         res = sorted(cl.run(adamw_worker, codec, timeout=250), key=lambda r: r["rank"])
     a, b = res
     # dense warm-up, then the big tensor compressed (marsit: the 10x48 and the biases in a dense bucket)
     assert a["codecs"][:WARM] == [["none"]] * WARM
     assert all(codec in c for c in a["codecs"][WARM:])
+    if codec == "marsit":  # the dense bucket of small tensors travels fp16 after the warm-up
+        assert all(c == ["fp16", "marsit"] for c in a["codecs"][WARM:])
+    assert all(set(c) == {"fp16"} for c in a["refresh_codecs"] if c)  # refreshes travel in float16
     assert a["warmup"] == a["warmup_after_restore"] == WARM
     # the compressed bucket's variance refreshes (a dense round beside the codec's) at WARM + 1, + 3
     assert [len(r) for r in a["refreshes"]] == [0] * (WARM + 1) + [1, 0, 1]

@@ -31,25 +31,90 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def rank_results(cmds: list[list[str]], timeout: float, what: str) -> list[dict]:
+def rank_results(cmds: list[list[str]], timeout: float, what: str, *,
+                 grace_timeout: float = 15.0, poll_interval: float = 0.2) -> list[dict]:
     """Start one process per command (a rank of a torch.distributed run) and return, in order, the
-    JSON object each prints as its last line; a rank that fails or outlives ``timeout`` seconds
-    raises (RuntimeError naming ``what``, or subprocess.TimeoutExpired) and every rank still
-    running is killed."""
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cmd in cmds]
-    outs = []
+    JSON object each prints as its last line.
+
+    No run can hang: ``timeout`` seconds is one deadline for all ranks together, and once a rank
+    has failed the others get ``grace_timeout`` seconds to end (they usually wait in a collective
+    the failed rank will never join). Then every rank still running is killed and the call raises:
+    ``RuntimeError`` naming ``what`` with the failed ranks' stderr, first to fail first (the first
+    is usually the cause, the others' "connection reset" its echo), or
+    ``subprocess.TimeoutExpired`` with the stacks of the ranks still running (``py-spy dump``,
+    where py-spy is installed) and their stderr. Output goes to files, not pipes: a rank that
+    writes more than a pipe holds while the driver waits on another would block in ``write``.
+    """
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="birdnet-ranks-") as tmp:
+        files = [(open(Path(tmp) / f"{i}.out", "w+"), open(Path(tmp) / f"{i}.err", "w+"))
+                 for i in range(len(cmds))]
+        procs: list[subprocess.Popen] = []
+        try:
+            for cmd, (out, err) in zip(cmds, files):
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, text=True))
+            deadline = time.monotonic() + timeout
+            failed: list[int] = []
+            while True:
+                for i, p in enumerate(procs):
+                    if i not in failed and p.poll() is not None and p.returncode != 0:
+                        failed.append(i)
+                running = [i for i, p in enumerate(procs) if p.poll() is None]
+                if not running:
+                    break
+                now = time.monotonic()
+                if failed:
+                    deadline = min(deadline, now + grace_timeout)
+                if now >= deadline:
+                    if failed:
+                        break
+                    stacks = "".join(f"--- rank {i} (pid {procs[i].pid}), still running:\n"
+                                     f"{_py_spy_dump(procs[i].pid)}{_tail(files[i][1], 1500)}\n"
+                                     for i in running)
+                    raise subprocess.TimeoutExpired(f"{what}: ranks {running}", timeout,
+                                                    output=stacks)
+                time.sleep(poll_interval)
+            if failed:
+                raise RuntimeError(f"{what}: rank(s) {failed} failed (first to fail first):\n" + "".join(
+                    f"--- rank {i}, exit status {procs[i].returncode}:\n{_tail(files[i][1], 3000)}\n"
+                    for i in failed))
+            outs = []
+            for i, (out, _) in enumerate(files):
+                out.seek(0)
+                lines = out.read().strip().splitlines()
+                if not lines:
+                    raise RuntimeError(f"{what}: rank {i} exited 0 but printed no result")
+                outs.append(json.loads(lines[-1]))
+            return outs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for out, err in files:
+                out.close()
+                err.close()
+
+
+def _tail(f, n: int) -> str:
+    f.flush()
+    f.seek(0)
+    return f.read()[-n:]
+
+
+def _py_spy_dump(pid: int, dump_timeout: float = 30.0) -> str:
+    """The Python stacks of process ``pid`` from py-spy, or "" where py-spy is not installed:
+    what a hung rank was waiting for, before it is killed."""
+    import shutil
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if exe is None:
+        return ""
     try:
-        for p in procs:
-            o, e = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"{what}: a rank failed: {e[-3000:]}")
-            outs.append(json.loads(o.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
+        r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                           timeout=dump_timeout)
+    except subprocess.TimeoutExpired:
+        return f"(py-spy dump took over {dump_timeout:.0f} s)\n"
+    return r.stdout[-6000:] + r.stderr[-500:]
 
 
 class LocalCluster:

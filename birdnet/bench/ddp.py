@@ -11,7 +11,8 @@ while it does, so times are training time. Needs root (ip netns), torch and scik
 Configurations (``--configs``, comma-separated):
 
 ``gloo``        DDP on Gloo
-``powersgd``    DDP on Gloo with PyTorch's PowerSGD hook (``--powersgd-rank``, start at 10 % of the steps)
+``powersgdN``   DDP on Gloo with PyTorch's PowerSGD hook of rank N (``powersgd1``, ``powersgd2``,
+              ``powersgd4``; ``powersgd``: ``--powersgd-rank``), from 10 % of the steps, one bucket
 ``fp16``        DDP on Gloo with PyTorch's fp16 compression hook
 ``birdnet``     DDP on the birdnet backend, dense
 ``hook``        DDP on the birdnet backend with ``bnt.comm_hook`` and ``--codec``
@@ -32,7 +33,72 @@ from typing import Any
 
 from birdnet.bench.cluster import rank_results
 
-CONFIGS = ("gloo", "powersgd", "fp16", "birdnet", "hook", "optimizer")
+CONFIGS = ("gloo", "powersgd1", "powersgd2", "powersgd4", "fp16", "birdnet", "hook", "optimizer")
+GLOO_CONFIGS = ("gloo", "fp16")
+
+
+def powersgd_rank(cfg: str, default: int) -> int | None:
+    """PowerSGD's matrix approximation rank of configuration ``cfg`` ("powersgd4": 4; "powersgd":
+    ``default``), or None if ``cfg`` is no PowerSGD configuration."""
+    if not cfg.startswith("powersgd"):
+        return None
+    tail = cfg[len("powersgd"):]
+    if not tail:
+        return default
+    if not tail.isdigit() or int(tail) < 1:
+        raise ValueError(f"configuration {cfg!r}: PowerSGD's rank must be a whole number >= 1, e.g. powersgd2")
+    return int(tail)
+
+
+def check_configs(configs: list[str]) -> list[str]:
+    """The configurations of ``configs`` that are not known (empty: all are)."""
+    bad = []
+    for c in configs:
+        try:
+            known = c in CONFIGS or powersgd_rank(c, 2) is not None
+        except ValueError:
+            known = False
+        if not known:
+            bad.append(c)
+    return bad
+
+
+def wrap_ddp(model, cfg: str, *, steps: int, seed: int, powersgd_default_rank: int = 2, hook_state=None):
+    """``model`` in DDP as configuration ``cfg`` has it (a Gloo or birdnet process group must be
+    initialised), and the hook state it registered (None without one).
+
+    PowerSGD gets a single bucket. Its hook chains three all-reduces per bucket through
+    ``Future.then``; each callback starts the next all-reduce and blocks in ``wait()`` on the
+    thread that completed the last one, one of ProcessGroupGloo's two worker threads. With two
+    buckets (from its second step DDP splits the LM's 1.9 MB of gradients at its first bucket's
+    1 MiB cap: 1.19 + 0.69 MB) two callbacks can hold both
+    worker threads, each waiting for an all-reduce queued behind it that no thread is left to run:
+    every rank waits, and Gloo's timeout, which guards operations that run, does not end it
+    (py-spy after 150 s, on all 4 ranks: the main thread in backward, the two worker threads in
+    ``compute_qs`` and ``unpack_uncompressed_tensors_and_allreduce_ps``). Or the two buckets'
+    chains issue their all-reduces in different orders on different ranks, and Gloo, which matches
+    collectives by the order they were issued, fails with "op.preamble.length <= op.nbytes. 1536 vs
+    768 ... collective mismatch". An explicit ``bucket_cap_mb`` caps the first bucket as well (DDP
+    uses its 1 MiB first bucket only when no cap is given), so every model below 1 GiB is one
+    bucket here: one chain per step, one worker thread blocked, the same order on every rank.
+    """
+    import torch
+    rank = powersgd_rank(cfg, powersgd_default_rank)
+    if rank is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                 start_powerSGD_iter=max(2, steps // 10), random_seed=seed)
+        net.register_comm_hook(state, ps.powerSGD_hook)
+        return net, state
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    if cfg == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif cfg == "hook":
+        import birdnet.client.torch as bnt
+        net.register_comm_hook(hook_state, bnt.comm_hook)
+    return net, hook_state if cfg == "hook" else None
 
 
 # -- one training process -------------------------------------------------------------------------
@@ -57,7 +123,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
     model = task.model()
     client = state = None
     cfg = a.config
-    if cfg in ("gloo", "powersgd", "fp16"):
+    if cfg in GLOO_CONFIGS or powersgd_rank(cfg, a.powersgd_rank) is not None:
         from datetime import timedelta
         dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank, world_size=a.world,
                                 timeout=timedelta(seconds=600))
@@ -69,18 +135,9 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
     if rank != a.rank:
         raise SystemExit(f"rank {rank} from the process group, {a.rank} expected")
     if client is None:
-        net = torch.nn.parallel.DistributedDataParallel(model)
-        if cfg == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=a.powersgd_rank,
-                                     start_powerSGD_iter=max(2, steps // 10), random_seed=a.seed)
-            net.register_comm_hook(state, ps.powerSGD_hook)
-        elif cfg == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif cfg == "hook":
-            state = bnt.HookState(codec=codec, codec_params=params)
-            net.register_comm_hook(state, bnt.comm_hook)
+        hook_state = bnt.HookState(codec=codec, codec_params=params) if cfg == "hook" else None
+        net, state = wrap_ddp(model, cfg, steps=steps, seed=a.seed, powersgd_default_rank=a.powersgd_rank,
+                              hook_state=hook_state)
         opt = task.optimizer(net.parameters(), lr)
     else:
         net = model
@@ -173,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="cnn", choices=["cnn", "lm"])
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--codec", default="birdplus:density=0.01", help="codec spec of 'hook' and 'optimizer'")
-    p.add_argument("--powersgd-rank", type=int, default=2)
+    p.add_argument("--powersgd-rank", type=int, default=2, help="the rank of configuration 'powersgd'")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=0.0, help="0: the task's")
     p.add_argument("--seed", type=int, default=0)
@@ -198,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     from birdnet.bench.cluster import LocalCluster
     from birdnet.config import Settings
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS]
+    bad = check_configs(configs)
     if bad:
-        p.error(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)}")
+        p.error(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIGS)} (powersgdN: any rank N >= 1)")
     ok, why = netns.available()
     if not ok:
         print(f"birdnet.bench.ddp: network namespaces unavailable: {why}", file=sys.stderr)
@@ -221,11 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     outs = run_config(a, cfg, prefixes, nsc.addresses, cl.sockets, k)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    # one configuration failing (e.g. a timeout on an overloaded machine) leaves the others' rows
-                    print(f" FAILED: {str(exc)[-1500:]}", file=sys.stderr)
+                    # one configuration failing (e.g. a timeout on an overloaded machine) leaves the
+                    # others' rows; a timeout's output holds the hung ranks' stacks
+                    detail = f"{exc}\n{getattr(exc, 'output', None) or ''}"
+                    print(f" FAILED: {detail[-6000:]}", file=sys.stderr)
                     for i in range(a.nodes):
                         print(f"--- daemon {i}:\n{cl.log(i)[-1500:]}", file=sys.stderr)
-                    rows.append({"config": cfg, "error": str(exc)[-1500:]})
+                    rows.append({"config": cfg, "error": detail[-3000:]})
                     continue
                 row = summarise(cfg, outs, metric, target, higher)
                 rows.append(row)

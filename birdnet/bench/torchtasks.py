@@ -242,6 +242,7 @@ def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
         bnt.broadcast_parameters(model.state_dict(), root_rank=0, client=client)
         history: list[dict[str, Any]] = []
         sent = warm_sent = 0
+        after: dict[str, int] = {}  # bytes sent after the warm-up, by kind of round
         loss_sum, loss_n = 0.0, 0
         for step in range(steps):
             if step == cfg.get("restore_at"):
@@ -258,6 +259,11 @@ def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
             sent += nb
             if getattr(opt, "birdnet_warming_up", False):
                 warm_sent += nb
+            else:
+                for s in opt.last_stats:
+                    kind = ("refresh" if str(s.get("name", "")).startswith("var") else
+                            "dense" if s.get("codec") in (None, "none", "fp16") else "coded")
+                    after[kind] = after.get(kind, 0) + int(s.get("bytes_sent", 0))
             loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
             if (step + 1) % every == 0 or step + 1 == steps:
                 history.append({"step": step + 1, "train_loss": loss_sum / loss_n, "bytes_sent": sent,
@@ -265,5 +271,6 @@ def train_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[
                 loss_sum, loss_n = 0.0, 0
         warm = getattr(opt, "birdnet_warmup_steps", 0)
         return {"rank": client.rank, "history": history, "final": history[-1], "bytes_sent": sent,
-                "warmup_steps": warm, "warmup_bytes": warm_sent, "seconds": time.perf_counter() - t0,
+                "warmup_steps": warm, "warmup_bytes": warm_sent, "bytes_after_warmup_by_kind": after,
+                "seconds": time.perf_counter() - t0,
                 "params_digest": params_digest(model)}

@@ -162,7 +162,8 @@ def _torch_main(a, argv) -> int:
 
     runs = _run_all(a.nodes, codecs, seeds, train_worker, config,
                     lambda r0: {**r0["final"], "bytes_sent": r0["bytes_sent"], "warmup_steps": r0["warmup_steps"],
-                                "warmup_bytes": r0["warmup_bytes"], "history": r0["history"]},
+                                "warmup_bytes": r0["warmup_bytes"], "history": r0["history"],
+                                "bytes_after_warmup_by_kind": r0.get("bytes_after_warmup_by_kind", {})},
                     lambda r0: f"{task.metric} {r0['final'][task.metric]:.4f}, {r0['bytes_sent'] / 1e6:.2f} MB/worker")
     if runs is None:
         return 130

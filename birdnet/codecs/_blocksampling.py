@@ -25,6 +25,12 @@ Modes:
            values; the other nodes write zeros there, so the sum carries the ids exactly and every
            node decodes the same selection from the round's result. No protocol step is added;
            ``header["digest"]`` hashes the selection so a disagreement fails the round.
+
+``feedback_lowpass`` (beta, default 1 = off): ScaleCom's low-pass filter on the error feedback
+(Chen et al., NeurIPS 2020), v <- (1 - beta) v + beta (v + x - sent). It bounds what a block
+that is not selected can pile up (beta x per round instead of x), which is what hurt the shared
+mode, whose selection cannot see every node's accumulator (docs/research/findings.md). State and
+payload are unchanged; one more pass over v per round.
 """
 from __future__ import annotations
 
@@ -77,6 +83,9 @@ class BlockSamplingCodec(Codec):
         # block: rounds since the block was last sent; the accumulator is estimated as
         # min(age, age_cap) x the momentum, docs/codecs.md "Error feedback in n/4 bytes")
         "accumulator": "elements", "age_cap": 10,
+        # ScaleCom's low-pass filter on the error feedback (Chen et al., NeurIPS 2020):
+        # v <- (1 - beta) v + beta (v + x - sent); 1.0 = plain error feedback (docs/codecs.md)
+        "feedback_lowpass": 1.0,
     }
 
     # -- configuration ---------------------------------------------------------------------------
@@ -107,6 +116,15 @@ class BlockSamplingCodec(Codec):
         if isinstance(ac, bool) or not isinstance(ac, int) or not (1 <= ac <= 65535):
             raise CodecError(f"codec {name!r}: age_cap (rounds of momentum a block-age accumulator stands "
                              f"for at most) must be an integer in [1, 65535], got {ac!r}")
+        lp = params["feedback_lowpass"]
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not (0.0 < float(lp) <= 1.0):
+            raise CodecError(f"codec {name!r}: feedback_lowpass (the beta of ScaleCom's low-pass filter on "
+                             f"the error feedback; 1 = off) must be a number in (0, 1], got {lp!r}")
+        params["feedback_lowpass"] = float(lp)
+        if params["feedback_lowpass"] < 1.0 and (not params["error_feedback"]
+                                                 or params["accumulator"] != "elements"):
+            raise CodecError(f"codec {name!r}: feedback_lowpass filters the element accumulator: it needs "
+                             "error_feedback=True and accumulator='elements'")
         params = C.feedback_params(name, params)
         shared = params["mode"] == "shared"
         # instance attributes: the daemon reads codec.pattern / codec.wire_dtype from the instance
@@ -223,6 +241,8 @@ class BlockSamplingCodec(Codec):
             # scratch (a StateTxn): no 4n-byte copy of each before the pass (it cost 3-6 ms at 11.7M)
             v_in, u_in = peek(st, "v"), (peek(st, "u") if "u" in st else None)
             src = overwrite(st, "v")
+            if prm["feedback_lowpass"] < 1.0 and np.shares_memory(src, v_in):
+                v_in = v_in.copy()  # outside a round's StateTxn v is updated in place; the filter needs the old v
             u = overwrite(st, "u") if u_in is not None else None
             amax = B.norms_max(x, u, src, prm["momentum"], b, norms, error_feedback=True, u_in=u_in, v_in=v_in)
         else:
@@ -255,10 +275,21 @@ class BlockSamplingCodec(Codec):
             wire = vals if shared else wire16
             if st is not None:
                 B.subtract_sent(st["v"], st.get("u"), b, ids, vals)
+        lowpass = st is not None and prm["feedback_lowpass"] < 1.0
+        if lowpass:
+            # ScaleCom's filter: v_new = (1 - beta) v_old + beta (v_old + x - sent). src holds
+            # v_old + x - sent now; a kept block keeps (1 - beta) of its old value, an unsent one
+            # takes beta of the new gradient, so no accumulator grows without bound between sends
+            beta = np.float32(prm["feedback_lowpass"])
+            src *= beta
+            src += np.float32(1.0 - beta) * v_in
         if shared:
             # what is left on this node after the send: the sent blocks are (close to) zero
             # (a block-age block is empty once sent: its age restarts)
-            B.residual_norms(norms, ids, scale if age_w is None else np.ones(k, np.float32))
+            if lowpass:
+                B.block_norms(src, b, norms)
+            else:
+                B.residual_norms(norms, ids, scale if age_w is None else np.ones(k, np.float32))
             self._propose(norms, buf[k * b:], m, ctx)
             # the selection was fixed before this round's data, so a NaN/Inf outside the kept
             # blocks would not reach the result: poison the summed values so it does
