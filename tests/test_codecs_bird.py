@@ -245,11 +245,14 @@ def test_shared_mode_sees_every_nodes_accumulator():
         if rnd == 0:
             xs[2][big * b:(big + 1) * b] = 1.0
         return xs
-    for proposers, within in (("every", 2), ("rotating", world + 1)):
-        c = get_codec("birdplus", mode="shared", momentum=0.0, proposers=proposers, density=0.01)
-        hist = ring_rounds(c, world, n, within, inputs=inputs)
-        sent_at = [r for r, (_, _, res, _) in enumerate(hist) if abs(res[0][0][big * b]) > 0.5]
-        assert sent_at and sent_at[0] < within, (proposers, sent_at)
+    # with the default low-pass filter (beta 0.5) half of the block reaches the accumulator
+    for lowpass, reach in ((1.0, 0.9), ("auto", 0.45)):
+        for proposers, within in (("every", 2), ("rotating", world + 1)):
+            c = get_codec("birdplus", mode="shared", momentum=0.0, proposers=proposers, density=0.01,
+                          feedback_lowpass=lowpass)
+            hist = ring_rounds(c, world, n, within, inputs=inputs)
+            sent_at = [r for r, (_, _, res, _) in enumerate(hist) if abs(res[0][0][big * b]) > reach]
+            assert sent_at and sent_at[0] < within, (lowpass, proposers, sent_at)
 
 
 def test_shared_mode_rejects_a_damaged_proposal():
@@ -338,6 +341,12 @@ def test_feedback_lowpass_reference(mode):
     for bad in (0.0, 1.5, True, "x"):
         with pytest.raises(CodecError, match="feedback_lowpass"):
             get_codec("birdplus", feedback_lowpass=bad)
+    # "auto" (the default): the filter in shared mode, where it was measured to help, off elsewhere
+    assert get_codec("birdplus", mode="shared").params["feedback_lowpass"] == 0.5
+    assert get_codec("bird", mode="shared").params["feedback_lowpass"] == 0.5
+    assert get_codec("birdplus").params["feedback_lowpass"] == 1.0
+    assert get_codec("birdplus", mode="shared", accumulator="block_age").params["feedback_lowpass"] == 1.0
+    assert get_codec("birdplus", mode="shared", error_feedback=False).params["feedback_lowpass"] == 1.0
     with pytest.raises(CodecError, match="feedback_lowpass"):
         get_codec("birdplus", feedback_lowpass=0.5, accumulator="block_age")
 

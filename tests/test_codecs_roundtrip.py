@@ -48,11 +48,14 @@ def test_simulated_round_error_bound(name, params, n):
         assert out.dtype == np.float32 and out.shape == (n,)
         norm = np.linalg.norm(exact)
         if vs is not None:
-            # error feedback: nothing is lost, only delayed. result + residuals = inputs + old residuals
+            # error feedback: nothing is lost, only delayed. result + residuals = inputs + old residuals;
+            # with a low-pass filter (beta < 1: v += beta (x - sent)) beta x result + residuals =
+            # beta x inputs + old residuals
+            beta = codec.params.get("feedback_lowpass", 1.0)
             fed = [x + (np.float32(codec.params["momentum"]) * u if moms else 0) for x, u in
                    zip(xs, moms or [0] * 4)] if moms else xs
-            want = sum(f.astype(np.float64) for f in fed) + before
-            got = out.astype(np.float64) + feedback_total(states)
+            want = beta * sum(f.astype(np.float64) for f in fed) + before
+            got = beta * out.astype(np.float64) + feedback_total(states)
             tol = 2e-3 if codec.params.get("value_dtype") == "float16" else 1e-5
             np.testing.assert_allclose(got, want, atol=tol * (np.abs(want).max() + 1))
         elif name == "none":
