@@ -1,6 +1,7 @@
 """Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "The 8-node 1M gap at 1 Gbit/s").
 
     python docs/results/threadcpu.py --nodes 8 --calls 200 --rate 1gbit > OUT.json
+    python docs/results/threadcpu.py --nodes 4 --calls 20 --size 11689512 --chunk-bytes 4194304 > OUT.json
 
 Starts NODES daemons, each in its own network namespace with a token-bucket link (root), one
 process per node, and times CALLS back-to-back dense all-reduces of 1,000,000 float32 in shared
@@ -97,14 +98,18 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--size", type=int, default=1_000_000)
+    p.add_argument("--chunk-bytes", type=int, default=None, help="birdnetd --chunk-bytes (default: its own)")
     a = p.parse_args()
+    extra = [] if a.chunk_bytes is None else ["--chunk-bytes", str(a.chunk_bytes),
+                                                "--max-message-bytes", str(max(2 * a.chunk_bytes, 1 << 26))]
     with tempfile.TemporaryDirectory() as tmp, netns.NetnsCluster(a.nodes, a.rate) as nsc:
         prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
         with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes,
-                          peer_timeout=60.0, heartbeat_interval=1.0) as cl:
+                          peer_timeout=60.0, heartbeat_interval=1.0, extra=extra) as cl:
             res = cl.run(worker, {"n": a.size, "calls": a.calls}, per_node=1, timeout=900)
     node0 = next(r for r in res if "daemons_per_call" in r)
-    json.dump({"nodes": a.nodes, "rate": a.rate, "size": a.size, "calls": a.calls,
+    json.dump({"nodes": a.nodes, "rate": a.rate, "size": a.size, "calls": a.calls, "chunk_bytes": a.chunk_bytes,
+               "load_average": os.getloadavg(),
                "malloc_env": os.environ.get("GLIBC_TUNABLES", ""), "machine": f"{os.cpu_count()} cores",
                "loop_ms_slowest": round(max(r["loop_ms"] for r in res), 2), **node0}, sys.stdout, indent=1)
     print()
