@@ -3,6 +3,7 @@
 itself needs 4 network namespaces and minutes; these tests take seconds."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,9 +146,25 @@ def test_powersgd_trains_the_lm_in_one_bucket_where_plain_ddp_uses_two(tmp_path)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run(py(code), capture_output=True, text=True, timeout=100, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    import json
+
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(out["gloo"]["buckets"].split(",")) == 2  # the case that hung: plain DDP splits the LM
     assert len(out["powersgd2"]["buckets"].split(",")) == 1
     assert out["powersgd2"]["state"] == "PowerSGDState" and out["powersgd2"]["iter"] == 3
     assert 0 < out["powersgd2"]["loss"] < 10
+
+
+@pytest.mark.timeout(120)
+def test_local_configuration_trains_without_any_process_group_or_daemon():
+    # 'local' is the compute floor the other rows are read against: a rank trains alone, so it
+    # must start with no daemon, no Gloo rendezvous and no socket
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "birdnet.bench.ddp", "--worker", "--config", "local", "--rank", "1",
+                        "--world", "4", "--task", "cnn", "--steps", "4", "--eval-every", "2"],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["rank"] == 1 and len(out["step_times"]) == 4 and all(t > 0 for t in out["step_times"])
+    assert [h["step"] for h in out["history"]] == [2, 4] and 0 <= out["history"][-1]["accuracy"] <= 1
+    assert "local" in CONFIGS and check_configs(["local"]) == []

@@ -17,6 +17,8 @@ Configurations (``--configs``, comma-separated):
 ``birdnet``     DDP on the birdnet backend, dense
 ``hook``        DDP on the birdnet backend with ``bnt.comm_hook`` and ``--codec``
 ``optimizer``   ``bnt.DistributedOptimizer`` (no DDP) with ``--codec``
+``local``       no communication: each rank trains its own copy on its own batches; its step time
+              is the compute of a step with all ranks sharing the machine, the floor of the others
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from typing import Any
 
 from birdnet.bench.cluster import rank_results
 
-CONFIGS = ("gloo", "powersgd1", "powersgd2", "powersgd4", "fp16", "birdnet", "hook", "optimizer")
+CONFIGS = ("gloo", "powersgd1", "powersgd2", "powersgd4", "fp16", "birdnet", "hook", "optimizer", "local")
 GLOO_CONFIGS = ("gloo", "fp16")
 
 
@@ -129,12 +131,19 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
                                 timeout=timedelta(seconds=600))
     elif cfg in ("birdnet", "hook"):
         bnt.init_process_group(job=a.job, socket=a.socket, timeout=600)
-    else:
+    elif cfg == "optimizer":
         client = Client(a.socket, job=a.job)
-    rank, world = (client.rank, client.size) if client is not None else (dist.get_rank(), dist.get_world_size())
+    if cfg == "local":
+        rank, world = a.rank, a.world
+    elif client is not None:
+        rank, world = client.rank, client.size
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
     if rank != a.rank:
         raise SystemExit(f"rank {rank} from the process group, {a.rank} expected")
-    if client is None:
+    if cfg == "local":
+        net, opt = model, task.optimizer(model.parameters(), lr)
+    elif client is None:
         hook_state = bnt.HookState(codec=codec, codec_params=params) if cfg == "hook" else None
         net, state = wrap_ddp(model, cfg, steps=steps, seed=a.seed, powersgd_default_rank=a.powersgd_rank,
                               hook_state=hook_state)
@@ -167,7 +176,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
         client.close()
     elif cfg in ("birdnet", "hook"):
         torch_dist.destroy()
-    else:
+    elif cfg != "local":
         dist.destroy_process_group()
     return out
 
