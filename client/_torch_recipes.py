@@ -37,7 +37,7 @@ ADAM_REFRESH_CODEC = "fp16"
 #: the codec of an Adam group's small tensors (under 1024 elements; a dense bucket beside the sign
 #: codec's per-tensor buckets) after the warm-up, scaled the same way ("none": float32). On the
 #: transformer they are 0.8 % of the parameters but a fifth of marsit's bytes in float32
-ADAM_SMALL_CODEC = "fp16"
+SMALL_TENSOR_CODEC = "fp16"
 #: float16 travel: a tensor's values are multiplied by the power of two that makes its largest RMS
 #: gradient, sqrt(max v / bc2) of Adam's second moment (the same on every process), about
 #: 2**HALF_HEADROOM_LOG2; float16 then holds values up to ~256 times that largest RMS and down to
@@ -56,6 +56,10 @@ _PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"
 #: of its own. On the transformer (200 steps, seed 0) one bucket for the whole model left marsit at
 #: 1.964 nats/byte, a bucket per tensor at 1.900, dense's 1.899
 _SIGN_CODECS = frozenset({"marsit", "signcascade", "efsign"})
+#: Adam groups: the small tensors travel apart, dense (_small_apart)
+_SMALL_APART = True
+#: SGD groups whose small tensors travel apart too: the block-selecting codecs
+_SMALL_APART_SGD = frozenset({"bird", "birdplus"})
 #: tensors below this many elements travel dense (the daemons' default ``dense_threshold``)
 _SMALL_TENSOR = 1024
 #: codecs that change gradients too little to need a recipe
@@ -195,6 +199,18 @@ class _Recipes:
         return (recipe is not None and recipe[0] == "adam"
                 and self.param_groups[gi].get("birdnet_codec") in _SIGN_CODECS)
 
+    def _small_apart(self, gi: int) -> bool:
+        """Whether group ``gi``'s tensors under _SMALL_TENSOR elements travel apart, in dense
+        buckets (float16 after the warm-up, SMALL_TENSOR_CODEC): an Adam group with a sign codec
+        (each would travel alone anyway, under the daemons' dense_threshold), and an SGD group with
+        a block-selecting codec (_SMALL_APART_SGD), whose biases, first convolution and output
+        layer would otherwise share density 0.01 with the big tensors."""
+        recipe = self._bn_recipe.get(gi)
+        if recipe is None or not _SMALL_APART:
+            return False
+        return self._own_scale(gi) or (recipe[0] == "sgd"
+                                       and self.param_groups[gi].get("birdnet_codec") in _SMALL_APART_SGD)
+
     @property
     def birdnet_warmup_steps(self) -> int:
         """Steps that travel dense before compression starts: ``warmup_steps`` when given; in
@@ -264,24 +280,30 @@ class _Recipes:
 
     def _small_codec(self, b: Any) -> str:
         """The codec of bucket ``b``'s round when it is an Adam group's dense bucket of small
-        tensors: float32 during the warm-up, ADAM_SMALL_CODEC after it; "none" for other buckets.
+        tensors: float32 during the warm-up, SMALL_TENSOR_CODEC after it; "none" for other buckets.
         A function of state identical on every process, so every process sends the same."""
         recipe = self._bn_recipe.get(b.group)
-        if not b.dense or recipe is None or recipe[0] != "adam" or ADAM_SMALL_CODEC == "none":
+        if not b.dense or recipe is None or SMALL_TENSOR_CODEC == "none":
             return "none"
         g = self.param_groups[b.group]
-        if self._warming_up(g) or any("exp_avg_sq" not in self.state.get(p, {}) for _n, p, _o, _k in b.entries):
+        # the statistic the float16 scale is computed from (_half_scale) must exist on every process
+        key = "exp_avg_sq" if recipe[0] == "adam" else "birdnet_momentum_buffer"
+        if self._warming_up(g) or any(key not in self.state.get(p, {}) for _n, p, _o, _k in b.entries):
             return "none"
-        return ADAM_SMALL_CODEC
+        return SMALL_TENSOR_CODEC
 
     def _half_scale(self, g: dict[str, Any], p: torch.Tensor) -> float:
         """The power of two ``p``'s gradient is multiplied by before it travels in float16
         (HALF_HEADROOM_LOG2): computed from Adam's second moment, identical on every process, so
         the scaled values average exactly as the raw ones would and dividing back is exact."""
         st = self.state[p]
-        v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
-        bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])
-        top = float(v.max()) / bc2 if v.numel() else 0.0
+        if "exp_avg_sq" in st:
+            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
+            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])
+            top = float(v.max()) / bc2 if v.numel() else 0.0
+        else:  # SGD: the momentum buffer, about 1 / (1 - momentum) gradients (more headroom)
+            buf = st.get("birdnet_momentum_buffer")
+            top = float(buf.abs().max()) ** 2 if buf is not None and buf.numel() else 0.0
         if not top > 0.0 or not np.isfinite(top):
             return 1.0
         e = HALF_HEADROOM_LOG2 - int(np.ceil(0.5 * np.log2(top)))

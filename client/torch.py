@@ -67,7 +67,9 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     tensor, accumulated *before* compression, DGC's momentum correction, Lin et al. 2018 section
     3.2) and the group's ``momentum`` becomes 0: SGD steps on the codec's result. ``dampening`` d
     is applied exactly (the result times 1 - d); ``nesterov=True`` is refused (a compressed
-    Nesterov look-ahead would need the dense gradient the codec does not send).
+    Nesterov look-ahead would need the dense gradient the codec does not send). With ``bird`` or
+    ``birdplus`` the tensors under 1024 elements travel apart, in a dense bucket padded to 1024
+    elements (float16 from the second step).
 ``torch.optim.Adam`` / ``AdamW``
     In the spirit of 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022): the first
     ``warmup_steps`` steps travel dense and Adam runs as usual; then the second moment is frozen
@@ -82,7 +84,7 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
     elements travels in a bucket of its own, since one scale for the whole model, divided by each
     coordinate's denominator, steps the tensors with small gradients many times Adam's step; the
-    small ones share a dense bucket, float16 after the warm-up (``ADAM_SMALL_CODEC``).
+    small ones share a dense bucket, float16 after the warm-up (``SMALL_TENSOR_CODEC``).
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
     selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
     the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
@@ -182,6 +184,9 @@ class _Bucket:
         self.refresh = False  # this step's raw gradients are staged in ``var``
         self.coded = False  # the codec compressed this bucket last step (not the dense threshold)
         self.dense = False  # always dense: the small tensors of a group whose big ones travel alone
+        #: elements the shared array has at least: a dense bucket is padded with zeros to the daemons'
+        #: default dense_threshold, under which they would send it float32 whatever the codec
+        self.pad = 0
         self.events: list[Any] = []  # CUDA events of device-to-host copies still running
         self.name = ""
 
@@ -192,7 +197,7 @@ class _Bucket:
     def allocate(self, client: Client) -> None:
         # the whole segment is passed to allreduce_async: that is how the client recognises its
         # own shared memory and skips the copy in (and a bucket of empty tensors still has 1 element)
-        self.array = client.buffer((max(self.numel, 1),), self.dtype)
+        self.array = client.buffer((max(self.numel, self.pad, 1),), self.dtype)
         self.array[...] = 0
         self.flat = torch.from_numpy(self.array)
         if self.device.type == "cuda":  # pragma: no cover - no GPU on the development machine
@@ -309,20 +314,22 @@ class _DistributedOptimizer(_Recipes):
             dt = wire_dtype(p, f"parameter {names[id(p)]!r}")
             if dt.kind != "f":
                 raise InputError(f"parameter {names[id(p)]!r} has dtype {p.dtype}; gradients must be floating point")
+            if self._small_apart(gi) and p.numel() < _SMALL_TENSOR:
+                small.append((gi, p, dt))
+                continue
             if self._own_scale(gi):
-                if p.numel() >= _SMALL_TENSOR:
-                    b = _Bucket(len(buckets), gi, dt, p.device)  # its own sign scale
-                    buckets.append(b)
-                    b.add(names[id(p)], p)
-                else:
-                    small.append((gi, p, dt))
+                b = _Bucket(len(buckets), gi, dt, p.device)  # its own sign scale
+                buckets.append(b)
+                b.add(names[id(p)], p)
                 continue
             self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes)
-        # a per-tensor group's small tensors, dense as each would travel alone (last: the first
-        # layers' small gradients come last in backward anyway)
+        # the small tensors of a group that keeps them apart (_small_apart), in buckets that travel
+        # dense (fp16 once the scale's statistic exists; last: the first layers' small gradients
+        # come last in backward anyway)
         open_.clear()
         for gi, p, dt in small:
-            self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes).dense = True
+            b = self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes)
+            b.dense, b.pad = True, _SMALL_TENSOR
         return buckets
 
     @staticmethod

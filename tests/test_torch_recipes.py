@@ -339,6 +339,39 @@ def test_adam_with_a_sign_codec_gives_each_big_tensor_its_own_bucket(one_node):
         codec = "birdplus" if isinstance(opt, torch.optim.AdamW) else "marsit"
         wrapped = bnt.DistributedOptimizer(opt, named_parameters=named, client=one_node, codec=codec)
         assert layout(wrapped) == [(["2.bias", "2.weight", "0.bias", "0.weight"], False)]
+    # SGD with a block-selecting codec: the small tensors travel apart, dense, the big ones share a bucket
+    sgd = bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), named_parameters=named,
+                                   client=one_node, codec="birdplus")
+    # padded with zeros to the daemons' default dense threshold, under which fp16 would travel float32
+    assert sgd._bn_buckets[1].array.shape == (1024,)
+    assert layout(sgd) == [(["2.weight", "0.weight"], False), (["2.bias", "0.bias"], True)]
+
+
+def test_small_tensors_travel_in_float16_once_their_statistic_exists():
+    """A dense bucket of small tensors goes fp16 once the statistic its scale comes from exists
+    on every process (SGD's momentum buffer after the first step; Adam's second moment after
+    the warm-up); before, float32."""
+    p = torch.nn.Parameter(torch.ones(5, 3))
+    opt = bare(torch.optim.SGD, [p], ("sgd", 0.9, 0.0), lr=0.1)
+    b = bnt._Bucket(0, 0, np.dtype(np.float32), torch.device("cpu"))
+    b.add("p", p)
+    assert opt._small_codec(b) == "none"  # not a dense bucket
+    b.dense = True
+    assert opt._small_codec(b) == "none"  # the first step: no momentum buffer yet
+    opt.state[p]["birdnet_momentum_buffer"] = torch.full((5, 3), -0.01)
+    assert opt._small_codec(b) == "fp16"
+    assert opt._half_scale(opt.param_groups[0], p) == 2.0 ** (rec.HALF_HEADROOM_LOG2 + 6)  # 0.01 = 2**-6.6
+    q = torch.nn.Parameter(torch.ones(5, 3))
+    adam = bare(torch.optim.AdamW, [q], ("adam", 0.9, 0.0), lr=0.1)
+    adam._bn_warmup = 3
+    a = bnt._Bucket(0, 0, np.dtype(np.float32), torch.device("cpu"))
+    a.add("q", q)
+    a.dense = True
+    adam.state[q].update(step=torch.tensor(3.0), exp_avg=torch.zeros(5, 3), exp_avg_sq=torch.ones(5, 3))
+    adam.param_groups[0]["birdnet_step"] = 2
+    assert adam._small_codec(a) == "none"  # the warm-up: float32
+    adam.param_groups[0]["birdnet_step"] = 3
+    assert adam._small_codec(a) == "fp16"
 
 
 def test_automatic_mode_refuses_or_warns_clearly(one_node):
@@ -448,8 +481,9 @@ def adamw_worker(sock, node, local, codec):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("codec", ["marsit", "birdplus"])
 def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
-    # a dense threshold under the small tensors' bucket (538 elements), which travels fp16 then
-    with LocalCluster(2, tmp_path, extra=["--dense-threshold", "256"]) as cl:
+    # the small tensors' bucket (538 elements) is padded to the daemons' dense threshold (1024), so
+    # it travels fp16 after the warm-up
+    with LocalCluster(2, tmp_path) as cl:
         res = sorted(cl.run(adamw_worker, codec, timeout=250), key=lambda r: r["rank"])
     a, b = res
     # dense warm-up, then the big tensor compressed (marsit: the 10x48 and the biases in a dense bucket)
