@@ -163,6 +163,17 @@ class _FrameRing(MemoryRing):
         self.transports = [_FrameTransport(self, r) for r in range(world)]
 
 
+def _lowered(node: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``node`` run with every size threshold lowered on its own thread (each node of the in-memory
+    ring runs on a thread of its own)."""
+    from birdnet.kernels._paths import lowered
+
+    def run(t: Any) -> None:
+        with lowered(SERIAL_BELOW=0, CANDIDATES_FROM=1024):
+            node(t)
+    return run
+
+
 def warm(codec: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``codec`` with ``params`` through the daemon's round runner on an in-memory ring of
     WORLD nodes, ROUNDS rounds at each of SIZES, as the daemon's rounds run (same kernels, same
@@ -180,7 +191,14 @@ def warm(codec: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
     with counter.counting():
         # inside the count: a kernel module with explicit signatures compiles at its import
         desc_codec = get_codec(codec, **_warm_params(params or {})).describe()  # CodecError: bad parameter
-        for n in SIZES:
+        # then once more with the size thresholds lowered on this thread, and at a size whose block
+        # ids no longer fit in 16 bits (payloads carry them as uint32 then): the variants a round
+        # of a large tensor takes (the parallel gathers of >= 64K kept values, the sampled-bound
+        # selection from 32K blocks on, uint32 ids) compile here too, not on the ring thread at a
+        # user's first call with a real model (birdnet.kernels._paths)
+        # at a size whose block ids no longer fit in 16 bits (payloads carry them as uint32 then)
+        big = 65536 * int(desc_codec.get("block", 8)) + 1
+        for n, lower in [(n, False) for n in SIZES] + [(big, True)]:
             runners = [RoundRunner(settings, StateStore(1 << 30)) for _ in range(WORLD)]
             rng = np.random.default_rng(n)
             xs = [rng.standard_normal((ROUNDS, n)).astype(np.float32) for _ in range(WORLD)]
@@ -193,7 +211,10 @@ def warm(codec: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
                     rnd = LocalRound(job="warmup", seq=k, kind="allreduce", desc=desc, parts=[part])
                     runners[t.rank].run(rnd, t, t.rank, WORLD, [1] * WORLD)
 
-            _FrameRing(WORLD).run(node, timeout=3600.0)
+            if lower:
+                _FrameRing(WORLD).run(_lowered(node), timeout=3600.0)
+            else:
+                _FrameRing(WORLD).run(node, timeout=3600.0)
     return {"seconds": time.perf_counter() - t0, "compiled": counter.count,
             "kernels": {k: round(v, 3) for k, v in sorted(counter.seconds.items())}}
 
@@ -235,7 +256,8 @@ def stamp_key() -> str:
     and the list of configurations itself."""
     import birdnet.kernels
     from birdnet import __version__
-    parts = [__version__, sys.version, _cpu(), repr(configurations()), repr(SIZES), str(ROUNDS)]
+    parts = [__version__, sys.version, _cpu(), repr(configurations()), repr(SIZES), str(ROUNDS),
+             "large-tensor pass 1"]  # what warm() runs besides SIZES: a change must re-warm
     for dist in ("numba", "llvmlite", "numpy"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             parts.append(f"{dist}={importlib.metadata.version(dist)}")

@@ -38,15 +38,22 @@ def test_settings_check_the_warm_up_options():
         Settings(warmup_timeout=0)
 
 
-@pytest.mark.parametrize("codec,params", [("topk", {}), ("marsit", {"momentum": 0.9})])
-def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params):
+@pytest.mark.parametrize("codec,params,sizes", [
+    ("topk", {}, (5000, 100003)), ("marsit", {"momentum": 0.9}, (5000, 100003)),
+    # a real model's tensors: block ids past 16 bits (uint32), the sampled-bound selection (>= 32K
+    # blocks) and, at 6.6M, the parallel gathers of >= 64K kept values. Before warm() covered
+    # them, a first birdplus call of 300,001 elements compiled 550 kernels on the ring thread of
+    # each of 4 daemons (30 s without heartbeats: PeerLostError)
+    ("birdplus", {}, (600001, 6600001)),
+])
+def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, sizes):
     """After warm(), rounds of other sizes (both sides of the serial/parallel switch) and with two
     local processes compile no kernel: what warm() ran is what rounds run."""
     warmup.warm(codec, params)
     counter = warmup._CompileCounter()
     world = 2
     with counter.counting():
-        for n in (5000, 100003):
+        for n in sizes:
             runners = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
 
             def node(t, n=n, runners=runners):

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 from birdnet.kernels._arrays import check as _check
+from birdnet.kernels._paths import threshold as _threshold
 from birdnet.kernels.rng import uniform
 from birdnet.kernels.weights import (
     _WCHUNK,
@@ -388,7 +389,7 @@ def solve_scale(w: np.ndarray, k: float) -> float:
     _check(w, np.float64, "solve_scale w")
     k = float(k)
     m = w.shape[0]
-    if m >= CANDIDATES_FROM:
+    if m >= _threshold("CANDIDATES_FROM", CANDIDATES_FROM):
         a = float(_solve_scale_candidates(w, k, float(_sample_bound(w, k)),
                                           np.empty(_candidate_capacity(m, k), np.float64)))
         if not np.isnan(a):
@@ -427,7 +428,7 @@ def birdplus_select(a: np.ndarray, amax: float, gamma: float, k: float, u: float
         return np.empty(0, np.int64), np.empty(0, np.float64)
     al = 0.0
     cap = m
-    if m >= CANDIDATES_FROM:
+    if m >= _threshold("CANDIDATES_FROM", CANDIDATES_FROM):
         al = min(float(_sample_bound(a, k)), amax)
         cap = _candidate_capacity(m, k)
     if bound is not None:
