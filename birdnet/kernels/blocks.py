@@ -198,6 +198,11 @@ def _block_norms_serial(x, b, out):
 SERIAL_BELOW = 1 << 16
 
 
+def _parallel(n: int) -> bool:
+    """Whether ``n`` elements take the parallel kernel (SERIAL_BELOW, unless this thread lowered it)."""
+    return n >= _threshold("SERIAL_BELOW", SERIAL_BELOW)
+
+
 def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndarray:
     """L1 norm of every block of ``b`` elements of float32 ``x`` (float32, length ceil(n/b))."""
     _check(x, np.float32, "block_norms x")
@@ -205,7 +210,7 @@ def block_norms(x: np.ndarray, b: int, out: np.ndarray | None = None) -> np.ndar
     if out is None:
         out = np.empty(m, np.float32)
     _check(out, np.float32, "block_norms out", m)
-    (_block_norms if x.shape[0] >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _block_norms_serial)(x, np.int64(b), out)
+    (_block_norms if _parallel(x.shape[0]) else _block_norms_serial)(x, np.int64(b), out)
     return out
 
 
@@ -232,7 +237,7 @@ def norms_max(x: np.ndarray, u: np.ndarray | None, v: np.ndarray | None, momentu
             u_in = u if u_in is None else u_in
             _check(u_in, np.float32, "accumulate u_in", n)
             mode = 2
-    kern = _norms_pass if n >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _norms_pass_serial
+    kern = _norms_pass if _parallel(n) else _norms_pass_serial
     uu = e if mode != 2 else u
     vv = e if mode == 0 else v
     bits = kern(x, e if mode != 2 else u_in, uu, e if mode == 0 else v_in, vv, np.float32(momentum),
@@ -252,7 +257,7 @@ def momentum_norms(x: np.ndarray, u: np.ndarray, momentum: float, b: int, out: n
     u_in = u if u_in is None else u_in
     _check(u_in, np.float32, "momentum_norms u_in", n)
     _check(out, np.float32, "momentum_norms out", -(-n // b))
-    kern = _norms_pass if n >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _norms_pass_serial
+    kern = _norms_pass if _parallel(n) else _norms_pass_serial
     e = np.empty(0, np.float32)
     kern(x, u_in, u, e, e, np.float32(momentum), np.int64(b), np.int64(3), out)
 
@@ -391,7 +396,7 @@ def gather_blocks(x: np.ndarray, b: int, ids: np.ndarray, scale: np.ndarray,
     _check(x, np.float32, "gather_blocks x")
     _check(out, np.float32, "gather_blocks out", ids.shape[0] * b)
     if ids.shape[0]:
-        kern = _gather_blocks if out.shape[0] >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _gather_blocks_serial
+        kern = _gather_blocks if _parallel(out.shape[0]) else _gather_blocks_serial
         kern(x, np.int64(b), ids, scale, out)
     return out
 
@@ -404,7 +409,7 @@ def scatter_blocks(vals: np.ndarray, b: int, ids: np.ndarray, out: np.ndarray, a
     if ids.shape[0]:
         if vals.dtype != np.float32:  # Numba has no float16 arrays: widen the (small) payload
             vals = vals.astype(np.float32)
-        kern = _scatter_blocks if vals.shape[0] >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _scatter_blocks_serial
+        kern = _scatter_blocks if _parallel(vals.shape[0]) else _scatter_blocks_serial
         kern(np.ascontiguousarray(vals), np.int64(b), np.ascontiguousarray(ids), out, add)
 
 
@@ -494,7 +499,7 @@ def gather_subtract(v: np.ndarray, u: np.ndarray | None, b: int, ids: np.ndarray
     if u is None:
         u = np.empty(0, np.float32)
     if ids.shape[0]:
-        kern = _gather_subtract if out.shape[0] >= _threshold("SERIAL_BELOW", SERIAL_BELOW) else _gather_subtract_serial
+        kern = _gather_subtract if _parallel(out.shape[0]) else _gather_subtract_serial
         kern(v, u, np.int64(b), ids, scale, out)
     return out
 
