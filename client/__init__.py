@@ -318,6 +318,15 @@ class Client:
         """The daemon's status (the same figures as ``birdnet status --json``)."""
         return self._request({"t": "status"})["status"]
 
+    def warm(self, codec: str, **codec_params: Any) -> bool:
+        """Have the local daemon load ``codec``'s kernels (for these parameters) now, in the
+        background, so the first call with it does not wait for them (about a second from the
+        on-disk cache, longer when they must be compiled). Returns at once: True when they are
+        loaded already. Calls with a codec whose kernels are not loaded wait for them whether or
+        not this was called; the PyTorch adapter calls it for the codec it switches to after its
+        dense warm-up. Raises :class:`InputError` for an unknown codec."""
+        return bool(self._request({"t": "warm", "codec": codec, "params": dict(codec_params)})["ready"])
+
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
         conn = getattr(self, "_conn", None)

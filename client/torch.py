@@ -134,7 +134,7 @@ from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: publi
     _Recipes,
 )
 
-from birdnet.errors import InputError
+from birdnet.errors import InputError, ProtocolError
 
 __all__ = [
     "BUCKET_BYTES",
@@ -277,6 +277,24 @@ class _DistributedOptimizer(_Recipes):
                           for b in self._bn_buckets for _n, p, _o, _k in b.entries] if overlap else []
         #: per-bucket round figures of the last step (bytes, ratio, codec, seconds)
         self.last_stats: list[dict[str, Any]] = []
+        self._warm_codecs()
+
+    def _warm_codecs(self) -> None:
+        """Ask the daemon to load the groups' codec kernels now: loading them at the first
+        compressed call (after an Adam warm-up: step 33 of the transformer) stalled that step by
+        ~1.6 s, all processes waiting for the slowest daemon."""
+        seen: set[str] = set()
+        for g in self.param_groups:
+            codec = g.get("birdnet_codec", self._bn_codec)
+            params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {})
+            key = repr((codec, sorted(params.items())))
+            if codec is None or key in seen:
+                continue
+            seen.add(key)
+            try:
+                self._bn_client.warm(codec, **params)
+            except ProtocolError:
+                pass  # a daemon older than the request: the first call waits for the kernels instead
 
     # -- construction -----------------------------------------------------------------------------
     def _parameter_names(self, named_parameters) -> dict[int, str]:

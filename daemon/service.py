@@ -162,6 +162,7 @@ REQUESTS: dict[str, tuple[tuple[str, Any, bool], ...]] = {
                ("op", _one_of(OPS), False), ("codec", _codec, False), ("params", _map, False),
                ("root", _int(0, 2**31 - 1), False)),
     "status": (_CALL,),
+    "warm": (_CALL, ("codec", _codec, True), ("params", _map, False)),
     "bye": (_CALL,),
 }
 #: fields a submit of these kinds must carry
@@ -524,7 +525,7 @@ class Daemon:
             if conn is not None:
                 conn[2] = True  # it has said something (drop_idle_connections)
         creds = peer_credentials(frames[1]) if hello else None
-        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "bye"), creds,
+        self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "warm", "bye"), creds,
                       fd if hello else None)
 
     def handle_bell(self, identity: bytes) -> None:
@@ -982,6 +983,18 @@ class Daemon:
 
     def handle_status(self, identity: bytes, h: dict[str, Any]) -> None:
         self.reply(identity, {"t": "status", "call": h.get("call"), "status": self.status()})
+
+    def handle_warm(self, identity: bytes, h: dict[str, Any]) -> None:
+        """A process names a codec it is about to use (the PyTorch adapter, for the codec it
+        switches to after its dense warm-up): its kernels are loaded now, in the warm-up thread,
+        so the first call with it does not wait the second or so that loading takes. The reply says
+        whether they are loaded already; calls with the codec park until they are either way."""
+        from birdnet.codecs import names
+        codec, params = h["codec"], h.get("params") or {}
+        if codec not in names():
+            raise InputError(f"warm: unknown codec {codec!r}; choose one of: {', '.join(names())}")
+        ready = self.warmer is None or self.warmer.ready(codec, params)
+        self.reply(identity, {"t": "warm", "call": h.get("call"), "ready": bool(ready)})
 
     def handle_bye(self, identity: bytes, h: dict[str, Any]) -> None:
         self.handle_bell(identity)  # calls written before the bye come first

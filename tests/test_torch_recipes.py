@@ -320,6 +320,23 @@ def test_automatic_mode_arranges_each_optimizer(one_node):
         o.remove_hooks()
 
 
+def test_the_codec_after_the_warm_up_is_loaded_at_construction(one_node):
+    """The wrapper names its groups' codecs to the daemon when it is built, so their kernels are
+    loaded during the dense warm-up: loaded at the first compressed step, they stalled it ~1.6 s."""
+    import time
+    model = mlp()
+    label = 'marsit {"compensation": "local", "momentum": 0.9}'
+    assert label not in one_node.status()["kernels"]["loaded"]
+    adam = bnt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                    named_parameters=list(model.named_parameters()), client=one_node,
+                                    codec="marsit", codec_params={"compensation": "local"})
+    deadline = time.monotonic() + 150  # ~1 s from the on-disk cache; a cold cache compiles first
+    while label not in (k := one_node.status()["kernels"])["loaded"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    adam.remove_hooks()
+    assert label in k["loaded"], k
+
+
 def test_adam_with_a_sign_codec_gives_each_big_tensor_its_own_bucket(one_node):
     """One sign scale per bucket: with Adam, a bucket of several tensors would step the ones with
     small gradients many times Adam's step, so each tensor of >= 1024 elements travels alone and

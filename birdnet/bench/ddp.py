@@ -207,7 +207,7 @@ def summarise(cfg: str, outs: list[dict[str, Any]], metric: str, target: float, 
     steady = steps[min(5, len(steps) - 1):]
     return {"config": cfg, "final": h0[-1][metric], "best": (max if higher else min)(e[metric] for e in h0),
             "time_to_target_s": None if hit is None else secs[hit], "step_at_target": None if hit is None else h0[hit]["step"],
-            "total_s": secs[-1], "median_step_s": statistics.median(steady),
+            "total_s": secs[-1], "median_step_s": statistics.median(steady), "step_s": steps,
             "identical": len({o["digest"] for o in outs}) == 1,
             "curve": [{"step": e["step"], "seconds": s, metric: e[metric], "train_loss": e["train_loss"]}
                       for e, s in zip(h0, secs)]}
