@@ -89,6 +89,9 @@ RESERVED_FDS = 256
 SILENT_STRIKES = 16
 SILENT_STRIKE_WINDOW = 60.0
 MAX_SILENT_PER_PROCESS = 16
+#: ``warm`` requests load at most this many codec configurations into the daemon (each is a
+#: subprocess and a load; a job uses a few)
+MAX_WARM_REQUESTS = 64
 MAX_SOCKET_PATH = 107  #: bytes of a Unix socket path (sun_path minus its terminating NUL, Linux)
 MAX_PENDING_CALLS = 1024  #: a job's calls waiting on this node for some of its processes
 MAX_EXPIRED = 4096  #: a job's call numbers remembered as timed out
@@ -990,9 +993,15 @@ class Daemon:
         so the first call with it does not wait the second or so that loading takes. The reply says
         whether they are loaded already; calls with the codec park until they are either way."""
         from birdnet.codecs import names
+        self._session(identity)
         codec, params = h["codec"], h.get("params") or {}
         if codec not in names():
             raise InputError(f"warm: unknown codec {codec!r}; choose one of: {', '.join(names())}")
+        if self.warmer is not None and len(self.warmer.requested) >= MAX_WARM_REQUESTS:
+            # each new configuration costs a subprocess and a load: a process naming endless
+            # parameter sets must not keep the daemon compiling (its calls still warm what they use)
+            raise InputError(f"warm: {MAX_WARM_REQUESTS} codec configurations were asked for already; "
+                             "calls load the kernels they need by themselves")
         ready = self.warmer is None or self.warmer.ready(codec, params)
         self.reply(identity, {"t": "warm", "call": h.get("call"), "ready": bool(ready)})
 

@@ -118,7 +118,7 @@ def test_fuzz_peer_port(ring):
 
 @st.composite
 def client_requests(draw):
-    t = draw(st.sampled_from(["hello", "alloc", "submit", "submit", "status", "bye", "junk", 3]))
+    t = draw(st.sampled_from(["hello", "alloc", "submit", "submit", "status", "warm", "bye", "junk", 3]))
     h = {"t": t, "call": draw(st.one_of(st.integers(-5, 10), values))}
     if t == "hello":
         h.update(proto=draw(st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 2, "1", None])),
@@ -126,6 +126,11 @@ def client_requests(draw):
     elif t == "alloc":
         h.update(slot=draw(st.one_of(st.integers(-3, 300), values)),
                  nbytes=draw(st.one_of(st.integers(-10, 1 << 40), values)))
+    elif t == "warm":
+        # codecs without kernels (or none at all): one with kernels would start a compile process per
+        # new parameter set, which test_warmup covers
+        h.update(codec=draw(st.sampled_from(["none", "fp16", "nope", 3, None])),
+                 params=draw(st.one_of(st.dictionaries(st.text(max_size=8), values, max_size=3), values)))
     elif t == "submit":
         h.update(seq=draw(st.one_of(st.integers(-3, 2**62), values)),
                  kind=draw(st.sampled_from(["allreduce", "broadcast", "barrier", "reset", "nope", 1])),

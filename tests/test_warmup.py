@@ -210,3 +210,42 @@ def test_warm_loads_a_codec_before_its_first_call(tmp_path):
             with pytest.raises(InputError, match="unknown codec 'marsitt'.*choose one of"):
                 c.warm("marsitt")
             assert c.allreduce(np.ones(10, np.float32), name="d", timeout=60)[0] == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_warm_needs_a_session_and_is_bounded(tmp_path):
+    """warm is a session's request (like submit), and the configurations it may ask for are capped:
+    each is a subprocess and a load, so a process naming endless parameter sets is refused by name
+    once MAX_WARM_REQUESTS are asked for. The cap is checked on the handler with a stand-in for the
+    daemon's state (reaching it for real would compile 64 configurations)."""
+    import types
+
+    import msgpack
+    import zmq
+    from birdnet.daemon import service
+
+    from birdnet.errors import InputError
+    with LocalCluster(1, tmp_path, kernel_warmup="used") as cl:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"ipc://{cl.sockets[0]}")
+        s.send_multipart([b"birdnet/1", msgpack.packb({"t": "warm", "call": 1, "codec": "qsgd", "nbuf": 0, "sizes": []})])
+        assert s.poll(10000)
+        reply = msgpack.unpackb(s.recv_multipart()[-1])
+        assert reply["t"] == "error" and "hello" in reply["message"], reply
+        s.close(0)
+        ctx.term()
+        with Client(cl.sockets[0], job="t") as c:
+            assert c.warm("fp16") is True  # no kernels: ready at once
+            assert not any(k.startswith("qsgd") for k in c.status()["kernels"]["loaded"])  # nothing asked for
+            assert c.allreduce(np.ones(10, np.float32), name="d", timeout=60)[0] == 1.0
+    replies = []
+    asked = {f"k{i}" for i in range(service.MAX_WARM_REQUESTS)}
+    fake = types.SimpleNamespace(_session=lambda identity: None, reply=lambda i, r: replies.append(r),
+                                 warmer=types.SimpleNamespace(requested=asked, ready=lambda c, p: False))
+    with pytest.raises(InputError, match=f"{service.MAX_WARM_REQUESTS} codec configurations were asked for"):
+        service.Daemon.handle_warm(fake, b"id", {"t": "warm", "call": 2, "codec": "qsgd", "params": {"levels": 3}})
+    asked.pop()
+    service.Daemon.handle_warm(fake, b"id", {"t": "warm", "call": 3, "codec": "qsgd", "params": {"levels": 3}})
+    assert replies == [{"t": "warm", "call": 3, "ready": False}]
