@@ -583,7 +583,13 @@ def comm_hook(state: HookState, bucket) -> Future:
         state.last_stats[name] = dict(h.stats)
         return buf
 
-    return e.submit(start, finish, f"DDP bucket {name!r}")
+    # DDP reads an exception set on the hook's own future as its value ("Unable to cast <message>
+    # to Tensor"); raised in a callback, it reaches the training loop with its class and message
+    return e.submit(start, finish, f"DDP bucket {name!r}").then(_value)
+
+
+def _value(fut: Future) -> torch.Tensor:
+    return fut.value()
 
 
 

@@ -180,6 +180,13 @@ def worker(sock, node, local, store):
     coded = bnt.HookState(job="ddp-hook", socket=sock, codec="topk", codec_params={"density": 0.1})
     out["gloo_hook"] = train(dist, rank, world, coded, bnt.comm_hook)
     out["gloo_hook_stats"] = dict(coded.last_stats)
+    bad = bnt.HookState(job="ddp-hook", socket=sock, codec="nope")
+    try:
+        train(dist, rank, world, bad, bnt.comm_hook)
+        out["hook_error"] = None
+    except Exception as exc:  # noqa: BLE001 - what a user's training loop sees
+        out["hook_error"] = (type(exc).__name__, str(exc))
+    bad.close()
     dense_state.close()
     coded.close()
     dist.destroy_process_group()
@@ -229,6 +236,15 @@ def test_collectives(results):
         assert c["gather"] == [[0, 0], [1, 10]]
         assert c["gather_into"] == [0.0, 1.0, 2.0, 100.0, 101.0, 102.0]
         assert c["async"] == [[1.0] * 4, [3.0, 3.0], True]
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_hook_reaches_the_training_loop_by_name(results):
+    """DDP turned a hook future's exception into "Unable to cast <message> to Tensor"; the hook's
+    future now fails inside a callback, which DDP reports with the error's class and message."""
+    for r in results:
+        kind, msg = r["hook_error"]
+        assert "CodecError" in msg and "unknown codec 'nope'" in msg and "Unable to cast" not in msg, (kind, msg)
 
 
 @pytest.mark.timeout(200)
