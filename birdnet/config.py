@@ -47,7 +47,7 @@ class Settings:
     cluster_seed: int = 0  #: cluster-wide seed for shared random selections
     codec: str = "none"  #: cluster-wide default codec
     codec_params: dict = dataclasses.field(default_factory=dict)  #: cluster-wide default parameters
-    dense_threshold: int = 1024  #: cluster-wide: tensors with fewer elements always travel dense
+    dense_threshold: int = 1024  #: cluster-wide: tensors with fewer elements travel dense (float32; fp16 when a call names it)
     #: cluster-wide: pipelining unit of the dense ring. 1 MiB: fewer messages than 256 KiB, each of which
     #: costs Python and thread hand-offs on every node; measured in CHANGELOG.md, "History of measurements"
     chunk_bytes: int = 1 << 20

@@ -68,8 +68,8 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     3.2) and the group's ``momentum`` becomes 0: SGD steps on the codec's result. ``dampening`` d
     is applied exactly (the result times 1 - d); ``nesterov=True`` is refused (a compressed
     Nesterov look-ahead would need the dense gradient the codec does not send). With ``bird`` or
-    ``birdplus`` the tensors under 1024 elements travel apart, in a dense bucket padded to 1024
-    elements (float16 from the second step).
+    ``birdplus`` the tensors under 1024 elements travel apart, in a dense bucket (float16 from
+    the second step).
 ``torch.optim.Adam`` / ``AdamW``
     In the spirit of 1-bit Adam (Tang et al. 2021) and 0/1 Adam (Lu et al. 2022): the first
     ``warmup_steps`` steps travel dense and Adam runs as usual; then the second moment is frozen
@@ -183,10 +183,9 @@ class _Bucket:
         self.var_handle: Handle | None = None
         self.refresh = False  # this step's raw gradients are staged in ``var``
         self.coded = False  # the codec compressed this bucket last step (not the dense threshold)
-        self.dense = False  # always dense: the small tensors of a group whose big ones travel alone
-        #: elements the shared array has at least: a dense bucket is padded with zeros to the daemons'
-        #: default dense_threshold, under which they would send it float32 whatever the codec
-        self.pad = 0
+        #: always dense: the small tensors of a group whose big ones travel alone. Not padded: the
+        #: daemons honour a call's fp16 under their dense_threshold (Codec.any_size)
+        self.dense = False
         self.events: list[Any] = []  # CUDA events of device-to-host copies still running
         self.name = ""
 
@@ -197,7 +196,7 @@ class _Bucket:
     def allocate(self, client: Client) -> None:
         # the whole segment is passed to allreduce_async: that is how the client recognises its
         # own shared memory and skips the copy in (and a bucket of empty tensors still has 1 element)
-        self.array = client.buffer((max(self.numel, self.pad, 1),), self.dtype)
+        self.array = client.buffer((max(self.numel, 1),), self.dtype)
         self.array[...] = 0
         self.flat = torch.from_numpy(self.array)
         if self.device.type == "cuda":  # pragma: no cover - no GPU on the development machine
@@ -347,7 +346,7 @@ class _DistributedOptimizer(_Recipes):
         open_.clear()
         for gi, p, dt in small:
             b = self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes)
-            b.dense, b.pad = True, _SMALL_TENSOR
+            b.dense = True
         return buckets
 
     @staticmethod

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cluster-seed", type=int, help="seed shared by the cluster for shared random selections (default 0)")
     a("--codec", help=f"cluster default codec (default {d.codec!r}); see `birdnet codecs`")
     a("--codec-params", metavar="JSON", help='cluster default codec parameters, e.g. \'{"density": 0.01}\'')
-    a("--dense-threshold", type=int, help=f"tensors with fewer elements go dense (default {d.dense_threshold})")
+    a("--dense-threshold", type=int, help=f"tensors with fewer elements go dense, float32 (fp16 when a call names it; default {d.dense_threshold})")
     a("--chunk-bytes", type=int, help=f"pipelining unit of the ring (default {d.chunk_bytes})")
     a("--peer-timeout", type=float, help=f"seconds without a sign of life before a peer counts as lost "
       f"(default {d.peer_timeout})")

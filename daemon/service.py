@@ -55,6 +55,7 @@ from birdnet.config import Settings
 from birdnet.door import Bell, Door
 from birdnet.errors import (
     BirdnetError,
+    CodecError,
     InputError,
     ProcessLostError,
     ProtocolError,
@@ -137,6 +138,21 @@ def _map(v: Any) -> str | None:
 
 def _codec(v: Any) -> str | None:
     return None if v is None or (isinstance(v, str) and 0 < len(v) <= 64) else f"is {v!r}, expected a codec name"
+
+
+def _any_size(name: Any) -> bool:
+    """Whether a call that names codec ``name`` gets it under dense_threshold too
+    (``Codec.any_size``: fp16, which is dense itself). An unknown name is no error here: a small
+    tensor travels dense whatever codec it names, as it always did."""
+    if not isinstance(name, str):
+        return False
+    from birdnet.codecs import codec_class, names  # imported here: the daemon starts without codecs
+    if name not in names():
+        return False
+    try:
+        return bool(codec_class(name).any_size)
+    except CodecError:  # registered but not loadable: the small tensor travels dense, as before
+        return False
 
 
 def _shape(v: Any) -> str | None:
@@ -806,7 +822,8 @@ class Daemon:
             params = h.get("params") if h.get("codec") else self.settings.codec_params
             if not isinstance(codec_name, str) or not isinstance(params, dict):
                 raise InputError("codec must be a name and its parameters a map")
-            if kind == "broadcast" or n < self.settings.dense_threshold or dt.kind != "f":
+            small = n < self.settings.dense_threshold and not _any_size(h.get("codec"))
+            if kind == "broadcast" or small or dt.kind != "f":
                 desc["codec"] = {"codec": "none"}
             else:
                 from birdnet.codecs import get_codec

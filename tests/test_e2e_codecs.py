@@ -55,3 +55,32 @@ def test_codec_through_real_daemons(results, spec):
     if name in ("marsit", "signcascade") and not params.get("flush"):
         out = per_node[0][0][1]
         assert len(np.unique(np.abs(out))) <= 4  # +- one scale per segment/tensor: signs only
+
+
+@pytest.mark.timeout(200)
+def test_under_the_dense_threshold_fp16_travels_only_when_the_call_names_it(tmp_path):
+    """A tensor under dense_threshold travels dense: float16 when the call names fp16 (a dense
+    codec, Codec.any_size), float32 for any other codec and for the daemons' default codec, even
+    when that default is fp16 (what small tensors always did). A threshold above the default
+    (2048): a 1500-element tensor is small there, and fp16 still applies."""
+    sizes = (0, 1, 7, 906, 1500)
+    with LocalCluster(2, tmp_path, extra=["--codec", "fp16", "--dense-threshold", "2048"]) as cl:
+        res = cl.run(workers.small_tensor_rounds, sizes, timeout=150)
+    for n in sizes:
+        for codec in ("fp16", "topk", None):
+            outs = [r[(n, codec)][1] for r in res]
+            assert len({o.tobytes() for o in outs}) == 1, f"{n} {codec}: nodes differ"
+            exact = sum(r[(n, codec)][0].astype(np.float64) for r in res)
+            st = res[0][(n, codec)][2]
+            assert st["codec"] == ("fp16" if codec == "fp16" else "none"), (n, codec, st["codec"])
+            if codec == "fp16":
+                # every value went through float16 (the owner's sum is rounded before the all-gather)
+                np.testing.assert_array_equal(outs[0], outs[0].astype(np.float16).astype(np.float32))
+                np.testing.assert_allclose(outs[0], exact, rtol=2e-3)
+            else:
+                np.testing.assert_array_equal(outs[0], exact.astype(np.float32))  # two addends: exact
+        if n == 906:
+            # each node sends 2 x 453 values: 1812 bytes fewer in float16 (the headers of the two
+            # kinds of round differ by less than 100 bytes each way)
+            saved = res[0][(n, None)][2]["bytes_sent"] - res[0][(n, "fp16")][2]["bytes_sent"]
+            assert 1812 - 200 <= saved <= 1812 + 200, saved

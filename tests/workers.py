@@ -228,3 +228,16 @@ def first_compressed_rounds(sock, node, local, specs, n, rounds, timeout):
                     return {"error": (type(exc).__name__, str(exc)), "out": out}
                 out.append((name, r, y, time.monotonic() - t0))
     return {"error": None, "out": out}
+
+
+def small_tensor_rounds(sock, node, local, sizes):
+    """Sums of tensors under the daemons' dense_threshold, naming codec fp16, topk, or none (the
+    daemons' default): returns per (size, codec) the result and the round's stats."""
+    out = {}
+    with Client(sock, job="small") as c:
+        for n in sizes:
+            x = (np.arange(n, dtype=np.float32) + 1) / np.float32(3) + c.rank  # thirds: not float16 values
+            for codec, params in (("fp16", {}), ("topk", {"density": 0.1}), (None, {})):
+                h = c.allreduce_async(x, op="sum", name=f"small/{n}/{codec}", codec=codec, **params)
+                out[(n, codec)] = (x, h.wait(60), h.stats)
+    return out

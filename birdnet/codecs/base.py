@@ -114,6 +114,11 @@ class Codec:
     defaults: ClassVar[dict[str, Any]] = {}
     #: the float dtype of ``values`` on the wire for SUMMABLE codecs ("float32" or "float16")
     wire_dtype: ClassVar[str] = "float32"
+    #: True: a call that names this codec gets it for a tensor under the daemons' dense_threshold
+    #: too. Only for a codec that is dense itself (``fp16``: it selects and remembers nothing, so a
+    #: small tensor loses nothing by it that it would not lose at any size); every other codec
+    #: leaves small tensors to travel dense, as ``none``
+    any_size: ClassVar[bool] = False
 
     def __init__(self, **params: Any) -> None:
         unknown = sorted(set(params) - set(self.defaults))

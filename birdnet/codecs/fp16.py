@@ -19,6 +19,7 @@ class Fp16Codec(Codec):
     pattern = Pattern.SUMMABLE
     defaults: dict = {}
     wire_dtype = "float16"
+    any_size = True  # named by a call, it applies under dense_threshold too (Codec.any_size)
 
     def compress(self, x: np.ndarray, ctx: RoundContext, state=None) -> Payload:
         check_input(self.name, x, ctx)
