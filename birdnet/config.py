@@ -51,6 +51,11 @@ class Settings:
     #: cluster-wide: pipelining unit of the dense ring. 1 MiB: fewer messages than 256 KiB, each of which
     #: costs Python and thread hand-offs on every node; measured in CHANGELOG.md, "History of measurements"
     chunk_bytes: int = 1 << 20
+    #: cluster-wide: the bytes a link carries in the time one ring hop costs beyond its bytes (the
+    #: thread hand-offs on both daemons). An all-reduce small enough by it (at most chunk_bytes)
+    #: goes round the ring gathered, N-1 hops of the whole vector instead of 2(N-1) hops of 1/N of
+    #: it (birdnet.ring.small.use_gathered); 0: always the ring
+    hop_latency_bytes: int = 1 << 17
     peer_timeout: float = 10.0  #: no sign of life (data or heartbeat) from a neighbour for this long = lost
     heartbeat_interval: float = 0.5  #: how often neighbours ping each other when idle
     round_timeout: float = 600.0  #: a round whose participants never all arrive is abandoned after this
@@ -90,7 +95,8 @@ class Settings:
     # is dropped (least recently used) at the cap, and every node must drop the same states at the
     # same round (daemon/engine.py StateStore)
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
-                    "nan_policy", "local_size", "heartbeat_interval", "peer_timeout", "state_limit_bytes")
+                    "hop_latency_bytes", "nan_policy", "local_size", "heartbeat_interval", "peer_timeout",
+                    "state_limit_bytes")
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -119,6 +125,8 @@ class Settings:
             bad(f"nan_policy is {self.nan_policy!r}; use 'propagate' or 'reject'")
         if self.dense_threshold < 0:
             bad("dense_threshold must be >= 0")
+        if self.hop_latency_bytes < 0:
+            bad(f"hop_latency_bytes is {self.hop_latency_bytes}; use 0 (always the ring) or more")
 
     @property
     def round_wait_timeout(self) -> float:

@@ -69,6 +69,7 @@ from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_g
 from birdnet.osutil import name_os_thread
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
+from birdnet.ring.small import gathered_allreduce, use_gathered
 from birdnet.ring.transport import MemoryRing
 from birdnet.wire import round_key, split_key
 
@@ -314,18 +315,16 @@ class RoundRunner:
                     "count, differ; every process of the job must make the same call)") from None
         elif lane:
             learned: dict[str, Any] = {}
-            out = ring_allreduce(transport, x, timeout=self.settings.round_wait_timeout,
-                                 chunk_bytes=self.settings.chunk_bytes, inplace=True,
-                                 tag={"key": rnd.key, **{f: d.get(f) for f in AGREED}},
-                                 count=len(parts), mean=mean, learned=learned)
+            out = self._dense(transport, x, world, timeout=self.settings.round_wait_timeout,
+                              tag={"key": rnd.key, **{f: d.get(f) for f in AGREED}},
+                              count=len(parts), mean=mean, learned=learned)
             divided = mean
             total = st["count"] = int(learned["count"])
         elif codec_name == "none" or rnd.kind == "broadcast":
             # the mean's one division happens inside the ring, on each segment's owner
             divided = mean and dtype.kind == "f"
-            out = ring_allreduce(transport, x, timeout=self.settings.peer_timeout,
-                                 chunk_bytes=self.settings.chunk_bytes, inplace=True, tag={"key": rnd.key},
-                                 divide_by=total if divided else None)
+            out = self._dense(transport, x, world, timeout=self.settings.peer_timeout, tag={"key": rnd.key},
+                              divide_by=total if divided else None)
         else:
             # With one local float32 process the result goes straight into its shared memory (the
             # codecs read x only while compressing, and never send from it).
@@ -351,6 +350,16 @@ class RoundRunner:
         st["seconds"] = time.perf_counter() - t0
         st["cpu_seconds"] = time.process_time() - c0
         st["t_end"] = time.monotonic()
+
+    def _dense(self, transport, x: np.ndarray, world: int, *, inplace: bool = True, **kw: Any) -> np.ndarray:
+        """Sum ``x`` over the round's ring: gathered in N-1 hops when it is small enough to gain by
+        it (birdnet.ring.small.use_gathered: every node decides alike from the round's agreed size
+        and cluster-wide settings), else the chunked ring, in place in ``x`` when ``inplace``. The
+        gathered sum is a new array, copied into the processes' memory once the sends are done."""
+        s = self.settings
+        if use_gathered(x.nbytes, world, s.hop_latency_bytes, s.chunk_bytes):
+            return gathered_allreduce(transport, x, **kw)
+        return ring_allreduce(transport, x, chunk_bytes=s.chunk_bytes, inplace=inplace, **kw)
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
                    counts: list[int], dst: np.ndarray | None = None,
@@ -385,8 +394,11 @@ class RoundRunner:
             comp = time.perf_counter() - tc
             values = np.ascontiguousarray(payload.values, dtype=np.float32)
             tag = {**extra, "key": rnd.key, "len": int(values.size), "digest": payload.header.get("digest")}
-            summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
-                                    wire_dtype=codec.wire_dtype, tag=tag)
+            if codec.wire_dtype is None or np.dtype(codec.wire_dtype) == values.dtype:
+                summed = self._dense(transport, values, world, timeout=timeout, tag=tag, inplace=False)
+            else:  # a narrower wire dtype: the ring rounds partial sums to it as the codec expects
+                summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
+                                        wire_dtype=codec.wire_dtype, tag=tag)
             tc = time.perf_counter()
             out = dst if dst is not None else np.empty(n, np.float32)
             codec.decompress(Payload(header=payload.header, values=summed), out, ctx, state)

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--codec-params", metavar="JSON", help='cluster default codec parameters, e.g. \'{"density": 0.01}\'')
     a("--dense-threshold", type=int, help=f"tensors with fewer elements go dense, float32 (fp16 when a call names it; default {d.dense_threshold})")
     a("--chunk-bytes", type=int, help=f"pipelining unit of the ring (default {d.chunk_bytes})")
+    a("--hop-latency-bytes", type=int, help="what a link carries in the time one ring hop costs beyond its "
+      "bytes; all-reduces small by it go gathered, in N-1 hops instead of 2(N-1); 0: always the ring "
+      f"(default {d.hop_latency_bytes}; cluster-wide)")
     a("--peer-timeout", type=float, help=f"seconds without a sign of life before a peer counts as lost "
       f"(default {d.peer_timeout})")
     a("--heartbeat-interval", type=float, help=f"seconds between heartbeats (default {d.heartbeat_interval})")

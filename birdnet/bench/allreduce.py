@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs-gloo", action="store_true", help="torch.distributed/Gloo on the same links, same run")
     p.add_argument("--no-check", action="store_true", help="skip the error against the exact mean")
     p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--hop-latency-bytes", type=int, default=None,
+                   help="the daemons' --hop-latency-bytes (0: every all-reduce on the ring, none gathered)")
     p.add_argument("--no-dense-lane", action="store_true",
                    help="daemons agree on every round (birdnetd --no-dense-lane), for comparison")
     p.add_argument("--json", action="store_true")
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     gloo: dict[int, dict[str, Any]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
+    if a.hop_latency_bytes is not None:
+        extra += ["--hop-latency-bytes", str(a.hop_latency_bytes)]
     if a.no_dense_lane:
         extra.append("--no-dense-lane")
     slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}  # generous: 8 nodes share 2 cores

@@ -57,6 +57,11 @@ class _Checker:
 
     def check(self, header: dict[str, Any], phase: str, step: int, chunk: int) -> None:
         if header.get("p") != phase or header.get("s") != step or header.get("c") != chunk:
+            if header.get("tag") != self.tag:
+                # nodes that disagree on a round's size may also run different schedules for it
+                # (small vectors go gathered, birdnet.ring.small): name the difference
+                self._compare(header.get("tag"))
+                raise RoundMismatchError(self.error or "nodes disagree on the round")
             raise ProtocolError(
                 f"ring out of step: expected {phase} step {step} chunk {chunk}, got "
                 f"{header.get('p')!r} step {header.get('s')!r} chunk {header.get('c')!r} from rank "
@@ -64,7 +69,9 @@ class _Checker:
         err = header.get("err")
         if err and self.error is None:
             self.error = str(err)
-        their = header.get("tag")
+        self._compare(header.get("tag"))
+
+    def _compare(self, their: Any) -> None:
         if self.error is None and their != self.tag:
             left = (self.rank - 1) % self.world
             diffs = [f"{k}: rank {left} has {(their or {}).get(k)!r}, rank {self.rank} has {self.tag.get(k)!r}"
