@@ -131,7 +131,7 @@ class RoundTransport:
                     f"no data from {nb.describe_left()} for round {self.key} within "
                     f"{self.net.settings.peer_timeout} s")
             before = self.net.bytes_received
-            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval))
+            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval), data=True)
             if msg is None or not nb.accepts(msg):
                 continue
             handler = self._handlers.get(msg["h"].get("t"))

@@ -94,7 +94,7 @@ class _NetStandIn:
     def send(self, header, buffers=(), track=False):
         self.sent.append(header)
 
-    def poll(self, timeout):
+    def poll(self, timeout, data=False):
         w = self.worker_ref[0]
         if not self.sent and (not w.inbox.empty() or w.ready):
             self.polls_while_queued += 1  # waiting for the round although it is already here
@@ -138,7 +138,7 @@ def test_a_gap_in_the_left_neighbours_messages_fails_the_round_being_agreed():
             gap, self.gap = self.gap, None
             return gap
 
-        def poll(self, timeout):
+        def poll(self, timeout, data=False):
             return None  # the go was among the lost messages
 
     key = "j/0"

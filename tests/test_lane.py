@@ -178,7 +178,7 @@ class _StubNet:
     def take_gap(self):  # no message lost (PeerNet.take_gap)
         return None
 
-    def poll(self, timeout):
+    def poll(self, timeout, data=False):
         return self.msgs.popleft() if self.msgs else None
 
     def take_early(self, key):

@@ -438,3 +438,50 @@ def test_pings_for_a_peer_that_is_down_are_bounded(ring):
         assert sum(1 for h in got[1:] if "qr" in h) <= 1, [(h["q"], h.get("qr")) for h in got]
     finally:
         right.close(0)
+
+
+def test_a_data_phase_waits_on_the_router_alone_and_still_reads_pongs(ring):
+    """A round's data phase polls the ROUTER alone (fewer system calls per message) and every socket
+    once per DATA_FULL_POLL_INTERVAL: the right neighbour's pongs are still read while it waits, so
+    a long data phase does not count a live neighbour lost; its data comes through as before."""
+    from birdnet.daemon import peers as peers_module
+
+    net, settings, left = ring
+    ctx = zmq.Context.instance()
+    right = ctx.socket(zmq.ROUTER)  # rank 1's peer port, answering every ping with a pong
+    right.setsockopt(zmq.LINGER, 0)
+    right.bind(net.peers[1].endpoint())
+    d = left(b"r1-x")
+    d.send_multipart(ping(settings, "x"))
+    polls = {"all": 0, "data": 0}
+    for name, p in (("all", net.poller), ("data", net.data_poller)):
+        def counted(timeout=None, _p=p, _poll=p.poll, _name=name):
+            polls[_name] += 1
+            return _poll(timeout)
+        p.poll = counted
+    try:
+        t0 = time.monotonic()
+        pongs = 0
+        last_ping = 0.0
+        while time.monotonic() < t0 + 1.2:
+            if time.monotonic() - last_ping > 0.1:  # the left neighbour (rank 1 too) stays alive
+                d.send_multipart(ping(settings, "x"))
+                last_ping = time.monotonic()
+            while right.poll(0):
+                ident, *frames = right.recv_multipart()
+                h, _ = wire.decode(frames, max_bytes=1 << 20)
+                if h["t"] == "ping":
+                    right.send_multipart([ident, *wire.encode({"t": "pong", "rank": 1, "inc": "r", "ep": 0})])
+                    pongs += 1
+            net.poll(0.05, data=True)
+        assert pongs >= 5  # heartbeat_interval 0.1 s: pings kept going out during the data phase
+        # read within DATA_FULL_POLL_INTERVAL (0.1 s) and a ping interval of the last pong sent
+        assert peers_module.DATA_FULL_POLL_INTERVAL <= 0.1
+        assert time.monotonic() - net.right_seen < 0.35
+        assert polls["data"] > 2 * polls["all"] > 0  # mostly the ROUTER alone, every socket now and then
+        d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": 3}))
+        tr = RoundTransport(net, "j/0")
+        h, _ = tr.recv(time.monotonic() + 2.0)
+        assert h["i"] == 3
+    finally:
+        right.close(0)

@@ -6,9 +6,9 @@
 Starts NODES daemons, each in its own network namespace with a token-bucket link (root), one
 process per node, and times CALLS back-to-back dense all-reduces of 1,000,000 float32 in shared
 memory after 5 warm-up calls. Around the timed calls it reads every daemon thread's CPU time and
-minor page faults from /proc (main thread, the ring thread, ZeroMQ's I/O thread, others) and the machine's
-CPU time from /proc/stat, and prints them per call in ms (faults per call), summed over the
-daemons. To compare with glibc's malloc defaults, run it once with
+minor page faults and context switches from /proc (main thread, the ring thread, ZeroMQ's I/O
+thread, others) and the machine's CPU time from /proc/stat, and prints them per call in ms (faults
+and switches per call), summed over this run's daemons (not other daemons on the machine). To compare with glibc's malloc defaults, run it once with
 GLIBC_TUNABLES=glibc.malloc.perturb=0 in the environment (any malloc tunable makes birdnetd leave
 malloc alone; perturb=0 is glibc's default). A measuring tool, not part of birdnet.
 """
@@ -29,22 +29,24 @@ from birdnet.bench.cluster import LocalCluster
 TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 
 
-def snapshot() -> dict:
-    """(pid, tid, thread kind) -> (user ticks, system ticks, minor faults) of every birdnetd thread."""
+def snapshot(pids: list[int]) -> dict:
+    """(pid, tid, thread kind) -> (user ticks, system ticks, minor faults, context switches) of
+    every thread of this run's daemons ``pids`` (only those: other daemons on a shared machine are
+    not this run's)."""
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(str, pids):
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
-        if "birdnet.daemon.main" not in cmd:
             continue
         for tid in tids:
             try:
                 st = open(f"/proc/{pid}/task/{tid}/stat").read()
+                status = open(f"/proc/{pid}/task/{tid}/status").read()
             except OSError:
                 continue
+            # voluntary + involuntary switches: how often the thread slept and woke (per message?)
+            switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
             name = st[st.index("(") + 1:st.rindex(")")]
             f = st[st.rindex(")") + 2:].split()
             # the main thread is the process. birdnetd names its ring thread (birdnet.osutil.name_os_thread);
@@ -54,7 +56,7 @@ def snapshot() -> dict:
             kind = "main" if tid == pid else ("zmq_io" if name.startswith("ZMQbg/IO") else
                                               "zmq_reaper" if name.startswith("ZMQbg") else
                                               "ring" if name == "birdnet-ring" else "other")
-            out[(pid, tid, kind)] = (int(f[11]), int(f[12]), int(f[7]))
+            out[(pid, tid, kind)] = (int(f[11]), int(f[12]), int(f[7]), switches)
     return out
 
 
@@ -70,7 +72,7 @@ def worker(sock, node, local, cfg):
         for _ in range(5):
             c.allreduce_async(buf, name="g").wait(60)
         c.barrier()
-        before = (snapshot(), machine()) if c.rank == 0 else None
+        before = (snapshot(cfg["pids"]), machine()) if c.rank == 0 else None
         c.barrier()
         t0 = time.monotonic()
         for _ in range(cfg["calls"]):
@@ -79,11 +81,12 @@ def worker(sock, node, local, cfg):
         c.barrier()
         if c.rank != 0:
             return {"loop_ms": loop * 1e3}
-        s1, m1 = snapshot(), machine()
+        s1, m1 = snapshot(cfg["pids"]), machine()
         s0, m0 = before
         per = collections.Counter()
-        for k, (u, s, flt) in s1.items():
+        for k, (u, s, flt, sw) in s1.items():
             if k in s0:
+                per[f"{k[2]}_switches"] += (sw - s0[k][3]) / cfg["calls"]
                 per[f"{k[2]}_user_ms"] += (u - s0[k][0]) * TICK_MS / cfg["calls"]
                 per[f"{k[2]}_system_ms"] += (s - s0[k][1]) * TICK_MS / cfg["calls"]
                 per[f"{k[2]}_faults"] += (flt - s0[k][2]) / cfg["calls"]
@@ -106,7 +109,8 @@ def main() -> None:
         prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
         with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes,
                           peer_timeout=60.0, heartbeat_interval=1.0, extra=extra) as cl:
-            res = cl.run(worker, {"n": a.size, "calls": a.calls}, per_node=1, timeout=900)
+            pids = [p.pid for p in cl.procs if p is not None]  # `ip netns exec` execs: the daemon's own pid
+            res = cl.run(worker, {"n": a.size, "calls": a.calls, "pids": pids}, per_node=1, timeout=900)
     node0 = next(r for r in res if "daemons_per_call" in r)
     json.dump({"nodes": a.nodes, "rate": a.rate, "size": a.size, "calls": a.calls, "chunk_bytes": a.chunk_bytes,
                "load_average": os.getloadavg(),
