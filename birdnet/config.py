@@ -48,9 +48,14 @@ class Settings:
     codec: str = "none"  #: cluster-wide default codec
     codec_params: dict = dataclasses.field(default_factory=dict)  #: cluster-wide default parameters
     dense_threshold: int = 1024  #: cluster-wide: tensors with fewer elements travel dense (float32; fp16 when a call names it)
-    #: cluster-wide: pipelining unit of the dense ring. 1 MiB: fewer messages than 256 KiB, each of which
-    #: costs Python and thread hand-offs on every node; measured in CHANGELOG.md, "History of measurements"
+    #: cluster-wide: pipelining unit of the dense ring, its smallest chunk. 1 MiB: fewer messages than
+    #: 256 KiB, each of which costs Python and thread hand-offs on every node; measured in CHANGELOG.md,
+    #: "History of measurements"
     chunk_bytes: int = 1 << 20
+    #: cluster-wide: a large tensor's chunks grow from chunk_bytes up to this, so that each ring
+    #: segment travels in about four of them (birdnet.ring.dense.chunk_elements): a message costs the
+    #: ring thread the same whatever its size. At or below chunk_bytes (0 too): chunk_bytes always
+    max_chunk_bytes: int = 4 << 20
     #: cluster-wide: the bytes a link carries in the time one ring hop costs beyond its bytes (the
     #: thread hand-offs on both daemons). An all-reduce small enough by it (at most chunk_bytes)
     #: goes round the ring gathered, N-1 hops of the whole vector instead of 2(N-1) hops of 1/N of
@@ -95,7 +100,7 @@ class Settings:
     # is dropped (least recently used) at the cap, and every node must drop the same states at the
     # same round (daemon/engine.py StateStore)
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
-                    "hop_latency_bytes", "nan_policy", "local_size", "heartbeat_interval", "peer_timeout",
+                    "max_chunk_bytes", "hop_latency_bytes", "nan_policy", "local_size", "heartbeat_interval", "peer_timeout",
                     "state_limit_bytes")
 
     def __post_init__(self) -> None:
@@ -121,12 +126,23 @@ class Settings:
             bad(f"max_message_bytes ({self.max_message_bytes}) is below chunk_bytes ({self.chunk_bytes}): "
                 "every dense round's messages would be refused by the peers; raise max_message_bytes or "
                 "lower chunk_bytes")
+        if self.max_chunk_bytes < 0:
+            bad(f"max_chunk_bytes is {self.max_chunk_bytes}; use 0 (chunks of chunk_bytes always) or more")
+        if self.max_message_bytes < self.largest_chunk_bytes:
+            bad(f"max_message_bytes ({self.max_message_bytes}) is below max_chunk_bytes ({self.max_chunk_bytes}): "
+                "a large tensor's dense messages would be refused by the peers; raise max_message_bytes, or "
+                f"lower max_chunk_bytes (0: chunks of chunk_bytes, {self.chunk_bytes}, always)")
         if self.nan_policy not in ("propagate", "reject"):
             bad(f"nan_policy is {self.nan_policy!r}; use 'propagate' or 'reject'")
         if self.dense_threshold < 0:
             bad("dense_threshold must be >= 0")
         if self.hop_latency_bytes < 0:
             bad(f"hop_latency_bytes is {self.hop_latency_bytes}; use 0 (always the ring) or more")
+
+    @property
+    def largest_chunk_bytes(self) -> int:
+        """The largest message of a dense ring: chunks grow from chunk_bytes up to max_chunk_bytes."""
+        return max(self.chunk_bytes, self.max_chunk_bytes)
 
     @property
     def round_wait_timeout(self) -> float:

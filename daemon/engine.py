@@ -359,7 +359,8 @@ class RoundRunner:
         s = self.settings
         if use_gathered(x.nbytes, world, s.hop_latency_bytes, s.chunk_bytes):
             return gathered_allreduce(transport, x, **kw)
-        return ring_allreduce(transport, x, chunk_bytes=s.chunk_bytes, inplace=inplace, **kw)
+        return ring_allreduce(transport, x, chunk_bytes=s.chunk_bytes, max_chunk_bytes=s.max_chunk_bytes,
+                              inplace=inplace, **kw)
 
     def _run_codec(self, rnd: LocalRound, transport, x: np.ndarray, rank: int, world: int,
                    counts: list[int], dst: np.ndarray | None = None,
@@ -398,7 +399,8 @@ class RoundRunner:
                 summed = self._dense(transport, values, world, timeout=timeout, tag=tag, inplace=False)
             else:  # a narrower wire dtype: the ring rounds partial sums to it as the codec expects
                 summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
-                                        wire_dtype=codec.wire_dtype, tag=tag)
+                                        max_chunk_bytes=self.settings.max_chunk_bytes, wire_dtype=codec.wire_dtype,
+                                        tag=tag)
             tc = time.perf_counter()
             out = dst if dst is not None else np.empty(n, np.float32)
             codec.decompress(Payload(header=payload.header, values=summed), out, ctx, state)

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--codec", help=f"cluster default codec (default {d.codec!r}); see `birdnet codecs`")
     a("--codec-params", metavar="JSON", help='cluster default codec parameters, e.g. \'{"density": 0.01}\'')
     a("--dense-threshold", type=int, help=f"tensors with fewer elements go dense, float32 (fp16 when a call names it; default {d.dense_threshold})")
-    a("--chunk-bytes", type=int, help=f"pipelining unit of the ring (default {d.chunk_bytes})")
+    a("--chunk-bytes", type=int, help=f"pipelining unit of the ring, its smallest chunk (default {d.chunk_bytes})")
+    a("--max-chunk-bytes", type=int, help="a large tensor's chunks grow up to this so that a ring segment travels in "
+      f"about 4 (default {d.max_chunk_bytes}; 0: --chunk-bytes always; cluster-wide)")
     a("--hop-latency-bytes", type=int, help="what a link carries in the time one ring hop costs beyond its "
       "bytes; all-reduces small by it go gathered, in N-1 hops instead of 2(N-1); 0: always the ring "
       f"(default {d.hop_latency_bytes}; cluster-wide)")
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s birdnetd %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from birdnet.daemon.service import Daemon
     # process-wide, so here at the process's entry and not in Daemon (which tests run in-process)
-    logging.getLogger("birdnet.daemon").info("%s", keep_freed_buffers(settings.chunk_bytes))
+    logging.getLogger("birdnet.daemon").info("%s", keep_freed_buffers(settings.largest_chunk_bytes))
     try:
         daemon = Daemon(settings)
         return daemon.serve_forever()

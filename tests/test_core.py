@@ -8,7 +8,7 @@ from birdnet import wire
 from birdnet.config import Settings, load_settings
 from birdnet.errors import ConfigError, ProtocolError, RoundMismatchError, VersionMismatchError
 from birdnet.hosts import parse_hosts
-from birdnet.ring.dense import ring_allreduce, segment_bounds
+from birdnet.ring.dense import CHUNKS_PER_SEGMENT, chunk_elements, ring_allreduce, segment_bounds
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing
 
@@ -133,6 +133,41 @@ def test_dense_ring_sum_bit_identical(world, n):
     if world > 1 and n >= world:
         # bandwidth-optimal: each rank sends 2 (world-1)/world of the vector
         assert abs(ring.transports[0].bytes_sent - 2 * (world - 1) * 4 * n / world) <= 8 * world
+
+
+def test_chunks_grow_with_the_tensor_between_chunk_bytes_and_max_chunk_bytes():
+    """The daemons' defaults (1 MiB, 4 MiB): a large tensor's segment travels in CHUNKS_PER_SEGMENT
+    chunks instead of one per MiB, a small one in chunks of chunk_bytes, a huge one in 4 MiB ones."""
+    s = Settings()
+    assert CHUNKS_PER_SEGMENT == 6
+    seg4 = segment_bounds(11_689_512, 4)[1]  # 4 nodes, 11.7M float32: 11.7 MB segments
+    per = chunk_elements(seg4, 4, s.chunk_bytes, s.max_chunk_bytes)
+    assert -(-seg4 // per) == 6 and 1 << 20 < per * 4 <= 4 << 20  # 12 chunks of 1 MiB before
+    seg8 = segment_bounds(11_689_512, 8)[1]  # 8 nodes: 5.8 MB segments, still in 1 MiB chunks
+    assert chunk_elements(seg8, 4, s.chunk_bytes, s.max_chunk_bytes) == (1 << 20) // 4
+    seg4 = segment_bounds(25_557_032, 4)[1]  # 25.6M: 25.6 MB segments, chunks of 4 MiB at most
+    assert chunk_elements(seg4, 4, s.chunk_bytes, s.max_chunk_bytes) == (4 << 20) // 4
+    assert chunk_elements(250_000, 4, s.chunk_bytes, s.max_chunk_bytes) == (1 << 20) // 4  # 1M on 4 nodes
+    assert chunk_elements(10**8, 4, s.chunk_bytes, s.max_chunk_bytes) == (4 << 20) // 4  # at most 4 MiB
+    assert chunk_elements(10**8, 2, s.chunk_bytes, s.max_chunk_bytes) == (4 << 20) // 2  # bytes, not elements
+    assert chunk_elements(seg4, 4, s.chunk_bytes, 0) == (1 << 20) // 4  # max_chunk_bytes 0: fixed
+    assert chunk_elements(seg4, 4, 8 << 20, 4 << 20) == (8 << 20) // 4  # chunk_bytes above it wins
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_dense_ring_with_growing_chunks_sends_chunks_per_segment_and_stays_bit_identical(world):
+    n = 100_003
+    xs = [np.random.default_rng(world + r).standard_normal(n).astype(np.float32) for r in range(world)]
+    ring = MemoryRing(world)
+    res = ring.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096, max_chunk_bytes=1 << 20))
+    assert all(r.tobytes() == res[0].tobytes() for r in res)
+    assert np.allclose(res[0], np.sum(np.array(xs, np.float64), axis=0), atol=1e-5 * world)
+    # 2(world-1) steps of CHUNKS_PER_SEGMENT messages each (4096-byte chunks: 2(world-1) x 14+)
+    assert len(ring.transports[0].messages_sent) == 2 * (world - 1) * CHUNKS_PER_SEGMENT
+    assert max(sz for _, szs in ring.transports[0].messages_sent for sz in szs) <= 1 << 20
+    fixed = MemoryRing(world)
+    fixed.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=10, chunk_bytes=4096))  # the default: no growth
+    assert len(fixed.transports[0].messages_sent) == 2 * (world - 1) * -(-segment_bounds(n, world)[1] // 1024)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])

@@ -19,8 +19,9 @@ from birdnet.config import Settings
 
 MAX_MESSAGE = 1 << 20  # the fuzzed cluster's --max-message-bytes: oversized frames are cheap to make
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-EXTRA = ["--max-message-bytes", str(MAX_MESSAGE), "--round-timeout", "3"]
-CW = Settings(peer_timeout=4.0, heartbeat_interval=0.25).cluster_wide()  # LocalCluster's timeouts
+# chunks of chunk_bytes (1 MiB) only: growing ones would not fit under MAX_MESSAGE
+EXTRA = ["--max-message-bytes", str(MAX_MESSAGE), "--max-chunk-bytes", "0", "--round-timeout", "3"]
+CW = Settings(peer_timeout=4.0, heartbeat_interval=0.25, max_chunk_bytes=0).cluster_wide()  # LocalCluster's timeouts
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,17 @@ def test_timeouts_are_cluster_wide():
 def test_max_message_bytes_below_chunk_bytes_is_refused():
     with pytest.raises(ConfigError, match=r"max_message_bytes \(65536\) is below chunk_bytes \(1048576\)"):
         Settings(max_message_bytes=65536)
-    Settings(max_message_bytes=1 << 20)  # equal is enough: a dense message is one chunk
+    # chunks grow up to max_chunk_bytes (4 MiB by default): a message of that size must be accepted
+    with pytest.raises(ConfigError, match=r"max_message_bytes \(1048576\) is below max_chunk_bytes \(4194304\).*"
+                       r"0: chunks of chunk_bytes, 1048576, always"):
+        Settings(max_message_bytes=1 << 20)
+    Settings(max_message_bytes=4 << 20)  # equal is enough: a dense message is one chunk
+    Settings(max_message_bytes=1 << 20, max_chunk_bytes=0)  # fixed chunks of chunk_bytes
+    assert Settings(max_chunk_bytes=0).largest_chunk_bytes == 1 << 20
+    assert Settings(chunk_bytes=8 << 20).largest_chunk_bytes == 8 << 20  # chunk_bytes above the maximum wins
+    with pytest.raises(ConfigError, match="max_chunk_bytes is -1"):
+        Settings(max_chunk_bytes=-1)
+    assert Settings(max_chunk_bytes=0).fingerprint() != Settings().fingerprint()  # cluster-wide
 
 
 def test_one_curve_key_for_two_ranks_is_refused(tmp_path):

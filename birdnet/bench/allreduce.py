@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs-gloo", action="store_true", help="torch.distributed/Gloo on the same links, same run")
     p.add_argument("--no-check", action="store_true", help="skip the error against the exact mean")
     p.add_argument("--chunk-bytes", type=int, default=None)
+    p.add_argument("--max-chunk-bytes", type=int, default=None,
+                   help="the daemons' --max-chunk-bytes (0: chunks of --chunk-bytes always)")
     p.add_argument("--hop-latency-bytes", type=int, default=None,
                    help="the daemons' --hop-latency-bytes (0: every all-reduce on the ring, none gathered)")
     p.add_argument("--no-dense-lane", action="store_true",
@@ -296,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     gloo: dict[int, dict[str, Any]] = {}
     extra = ["--chunk-bytes", str(a.chunk_bytes)] if a.chunk_bytes else []
+    if a.max_chunk_bytes is not None:
+        extra += ["--max-chunk-bytes", str(a.max_chunk_bytes)]
     if a.hop_latency_bytes is not None:
         extra += ["--hop-latency-bytes", str(a.hop_latency_bytes)]
     if a.no_dense_lane:

@@ -4,8 +4,9 @@ Schedule (Patarasuk & Yuan's bandwidth-optimal ring, as in Gloo and NCCL): the v
 ``world`` segments; in reduce-scatter step s (0..world-2) rank r sends segment (r-s) mod world to
 rank r+1 and adds the segment (r-s-1) mod world it receives from rank r-1 into its own. After
 world-1 steps rank r holds the finished sum of segment (r+1) mod world; the all-gather then
-forwards finished segments round the ring. Each segment is cut into chunks of ``chunk_bytes`` and a
-chunk is passed on as soon as it is reduced, so a large tensor keeps every link busy.
+forwards finished segments round the ring. Each segment is cut into chunks (:func:`chunk_elements`:
+``chunk_bytes``, or larger ones up to ``max_chunk_bytes`` for a large tensor) and a chunk is passed
+on as soon as it is reduced, so a large tensor keeps every link busy.
 
 Why the result is bit-identical on every node: each element is summed exactly once, on one node, in
 one fixed order (along the ring, starting at the segment's owner), and then copied everywhere. IEEE
@@ -37,6 +38,25 @@ def segment_bounds(n: int, world: int, align: int = 1) -> list[int]:
         bounds.append(min(n, bounds[-1] + (base + (1 if i < extra else 0)) * align))
     bounds[-1] = n
     return bounds
+
+
+#: a large tensor's segment travels in about this many chunks (chunk_elements). Each message costs
+#: the ring thread about the same whatever its size (its wait, Python, system calls: 4 netns nodes,
+#: 11.7M float32, 1 Gbit/s, the ring threads' CPU 150-177 ms per round with 1 MiB chunks, 12 per
+#: segment, 97-114 ms with 4), while too few chunks make a call slower: 8 nodes at 100 Mbit/s, 11.7M,
+#: per call 7.80 s with 2 chunks per segment (4 MiB), 7.44-7.51 s with 4, 7.20-7.36 s with 6 (1 MiB;
+#: CHANGELOG.md). With 6, 8 nodes keep 1 MiB chunks at 11.7M, 4 nodes send half the messages.
+CHUNKS_PER_SEGMENT = 6
+
+
+def chunk_elements(segment: int, itemsize: int, chunk_bytes: int, max_chunk_bytes: int = 0) -> int:
+    """Elements per chunk of a ring segment of ``segment`` elements of ``itemsize`` bytes: a
+    CHUNKS_PER_SEGMENT-th of the segment, at least ``chunk_bytes`` and at most ``max_chunk_bytes``
+    (``max_chunk_bytes`` at or below ``chunk_bytes``: ``chunk_bytes`` always). Every node computes it
+    from the same agreed size, world and cluster-wide settings, so all cut alike."""
+    lo = max(1, chunk_bytes // itemsize)
+    hi = max(lo, max_chunk_bytes // itemsize)
+    return min(hi, max(lo, -(-segment // CHUNKS_PER_SEGMENT)))
 
 
 def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
@@ -88,13 +108,15 @@ class _Checker:
 
 
 def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 1 << 20,
-                   wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
+                   max_chunk_bytes: int = 0, wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
                    divide_by: int | None = None, count: int | None = None, mean: bool = False,
                    learned: dict[str, Any] | None = None) -> np.ndarray:
     """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
 
     ``timeout`` is the longest wait for any one message (a sign of life of the left neighbour).
     ``wire_dtype`` (e.g. float16) is the dtype chunks travel in; sums are kept in ``x.dtype``.
+    Chunks are ``chunk_bytes``, or larger up to ``max_chunk_bytes`` for a large ``x``
+    (:func:`chunk_elements`); every node must pass the same two.
     With ``inplace`` the result overwrites ``x``. ``divide_by`` (for a mean) divides each finished
     segment once, on the node that finished it, before the all-gather copies it everywhere: the
     same bits on every node, and each node divides 1/world of the vector instead of all of it.
@@ -130,8 +152,8 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
         return out
     wdt = np.dtype(wire_dtype) if wire_dtype is not None else out.dtype
     narrow = wdt != out.dtype
-    per_chunk = max(1, chunk_bytes // wdt.itemsize)
     bounds = segment_bounds(out.size, world)
+    per_chunk = chunk_elements(bounds[1] - bounds[0], wdt.itemsize, chunk_bytes, max_chunk_bytes)
     chunks = [chunk_bounds(bounds[i], bounds[i + 1], per_chunk) for i in range(world)]
     checker = _Checker(dict(tag or {}), r, world)
 

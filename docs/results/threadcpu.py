@@ -102,9 +102,13 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--size", type=int, default=1_000_000)
     p.add_argument("--chunk-bytes", type=int, default=None, help="birdnetd --chunk-bytes (default: its own)")
+    p.add_argument("--max-chunk-bytes", type=int, default=None,
+                   help="birdnetd --max-chunk-bytes (default: its own; 0: chunks of --chunk-bytes always)")
     a = p.parse_args()
     extra = [] if a.chunk_bytes is None else ["--chunk-bytes", str(a.chunk_bytes),
                                                 "--max-message-bytes", str(max(2 * a.chunk_bytes, 1 << 26))]
+    if a.max_chunk_bytes is not None:
+        extra += ["--max-chunk-bytes", str(a.max_chunk_bytes)]
     with tempfile.TemporaryDirectory() as tmp, netns.NetnsCluster(a.nodes, a.rate) as nsc:
         prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)]
         with LocalCluster(a.nodes, Path(tmp), addresses=nsc.addresses, prefixes=prefixes,
@@ -113,6 +117,7 @@ def main() -> None:
             res = cl.run(worker, {"n": a.size, "calls": a.calls, "pids": pids}, per_node=1, timeout=900)
     node0 = next(r for r in res if "daemons_per_call" in r)
     json.dump({"nodes": a.nodes, "rate": a.rate, "size": a.size, "calls": a.calls, "chunk_bytes": a.chunk_bytes,
+               "max_chunk_bytes": a.max_chunk_bytes,
                "load_average": os.getloadavg(),
                "malloc_env": os.environ.get("GLIBC_TUNABLES", ""), "machine": f"{os.cpu_count()} cores",
                "loop_ms_slowest": round(max(r["loop_ms"] for r in res), 2), **node0}, sys.stdout, indent=1)
