@@ -46,6 +46,7 @@ is lost, names it in the errors its clients see, and forgets it when it is back.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -511,7 +512,10 @@ class PeerNet:
             if self.held.ready:
                 return self.held.ready.popleft()
             remaining = deadline - time.monotonic()
-            events = dict(poller.poll(max(0, min(remaining, wait)) * 1000))
+            # whole milliseconds, rounded up: pyzmq truncates a float timeout, so the last
+            # millisecond before the deadline was a loop of polls that return at once (an idle
+            # wait of the ring thread, on every node while the training processes compute)
+            events = dict(poller.poll(math.ceil(max(0.0, min(remaining, wait)) * 1000)))
             if self.dealer_monitor in events or self.router_monitor in events:
                 self._drain_monitors()
             self._drain_replies(events)

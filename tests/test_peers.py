@@ -485,3 +485,22 @@ def test_a_data_phase_waits_on_the_router_alone_and_still_reads_pongs(ring):
         assert h["i"] == 3
     finally:
         right.close(0)
+
+def test_an_idle_poll_waits_its_time_out_instead_of_spinning(ring, monkeypatch):
+    """pyzmq truncates a float timeout to whole milliseconds: the last one before the deadline was
+    a loop of polls that returned at once, stolen from training processes on every node. An idle
+    net.poll(0.05) now polls a few times, not dozens."""
+    net, _settings, _left = ring
+    calls = []
+    real = net.poller.poll
+
+    def counted(timeout=None):
+        calls.append(timeout)
+        return real(timeout)
+    monkeypatch.setattr(net.poller, "poll", counted)
+    for _ in range(20):
+        t0 = time.monotonic()
+        assert net.poll(0.0105) is None
+        assert time.monotonic() - t0 >= 0.0105
+    assert len(calls) <= 20 * 3, calls
+    assert all(isinstance(c, int) and c >= 1 for c in calls), calls
