@@ -119,7 +119,9 @@ def wait_ring_ok(cl: LocalCluster, timeout: float = 20.0) -> float:
 
 @pytest.mark.timeout(120)
 def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, drivers):
-    with LocalCluster(3, tmp_path) as cl:
+    # The ring path: a gathered round (under --hop-latency-bytes) whose every vector already
+    # reached the survivors completes there with the exact sum, so it would not show the loss.
+    with LocalCluster(3, tmp_path, extra=["--hop-latency-bytes", "0"]) as cl:
         d = [drivers(s) for s in cl.sockets]
         for x in d:
             x.send("buffer 1000")
@@ -139,7 +141,7 @@ def test_sigkill_mid_round_names_the_peer_then_restart_recovers(tmp_path, driver
         # the killed node's own process learns it at once; the others name the lost peer
         assert r1["error"] == "DaemonUnavailableError" and r1["seconds"] < 3, r1
         for r in (r0, r2):
-            assert r["error"] == "PeerLostError" and "rank 1" in r["message"], r
+            assert r.get("error") == "PeerLostError" and "rank 1" in r["message"], r
         assert waited < PEER_TIMEOUT + SLACK, waited
         # the killed instance's memfds went with it; named files it left (doorbells of processes
         # that never submitted, --shm-group segments) the next start removes (remove_stale)
