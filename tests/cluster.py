@@ -19,3 +19,21 @@ def wait_warm(sock: str, timeout: float = 180.0) -> None:
             return
         assert time.monotonic() < deadline, f"kernel warm-up still busy after {timeout} s: {k}"
         time.sleep(0.5)
+
+
+def wait_ring_ok(cl: LocalCluster, timeout: float = 20.0) -> float:
+    """Seconds until every daemon reports every peer reachable (not lost, connecting or refused)."""
+    t0 = time.monotonic()
+    while True:
+        states = []
+        for s in cl.sockets:
+            try:
+                with Client(s, job="__test_status__", connect_timeout=2) as c:
+                    states += [p["state"] for p in c.status()["peers"]]
+            except Exception as exc:  # noqa: BLE001 - a restarting daemon
+                states.append(repr(exc))
+        if all(st in ("self", "connected", "ok") for st in states):
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"ring did not recover within {timeout} s: {states}")
+        time.sleep(0.25)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import LocalCluster
+from cluster import LocalCluster, wait_ring_ok
 
 from birdnet.bench import netns
 from birdnet.hosts import load_hosts
@@ -96,25 +96,6 @@ def memfds(cl: LocalCluster, i: int) -> int:
     """Sealed segments (memfds, birdnet.shm.Segment.sealed) node ``i``'s daemon has mapped."""
     with open(f"/proc/{cl.procs[i].pid}/maps") as f:
         return sum("/memfd:birdnet" in line for line in f)
-
-
-def wait_ring_ok(cl: LocalCluster, timeout: float = 20.0) -> float:
-    """Seconds until every daemon reports every peer reachable."""
-    from birdnet.client import Client
-    t0 = time.monotonic()
-    while True:
-        states = []
-        for s in cl.sockets:
-            try:
-                with Client(s, job="__test_status__", connect_timeout=2) as c:
-                    states += [p["state"] for p in c.status()["peers"]]
-            except Exception as exc:  # noqa: BLE001 - a restarting daemon
-                states.append(repr(exc))
-        if all(st in ("self", "connected", "ok") for st in states):
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"ring did not recover within {timeout} s: {states}")
-        time.sleep(0.25)
 
 
 @pytest.mark.timeout(120)
