@@ -151,9 +151,15 @@ def lose_and_regain(cl: LocalCluster, drivers, dead: int) -> None:
     time.sleep(1.0)
     for i in live:
         d[i].send(f"round {N} none")
-    res = [d[i].read(40) if i != dead else None for i in range(4)]
-    res[dead] = d[dead].read(40)
-    check(res, [0, 1, 2, 3])
+    try:
+        res = [d[i].read(40) if i != dead else None for i in range(4)]
+        res[dead] = d[dead].read(40)
+        check(res, [0, 1, 2, 3])
+    except (AssertionError, TimeoutError) as exc:
+        # failed under load in CI (3 times in 2 runs) and here once in 14 tries beside 2-3 busy
+        # loops: the admitted node's start never came round. The daemons' logs say where it stopped
+        logs = "\n".join(f"--- node {i}\n{cl.log(i)[-4000:]}" for i in range(4))
+        raise AssertionError(f"the rejoin round failed: {exc}\n{logs}") from exc
     for codec in ("topk", "none"):
         check(together(d, f"round {N} {codec}"), [0, 1, 2, 3], exact=codec == "none")
     for i in range(4):
