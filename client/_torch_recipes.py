@@ -52,6 +52,20 @@ MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", 
 #: do not: on the transformer benchmark marsit reached 2.028 nats/byte preconditioned against 1.957
 #: not (dense 1.899), birdplus 2.080 against 2.129 (200 steps, seed 0, docs/adapters.md)
 _PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
+#: Adam groups whose first moment stays in the adapter: the codec keeps error feedback only and the
+#: adapter runs Adam's m = beta1 m + (1 - beta1) result on the average. Momentum correction in a
+#: selecting codec clears a block's momentum when the block is sent (DGC's masking), so a block
+#: sent every few steps loses most of its displacement: at density 1.0 the step was
+#: (1 - beta1) = 0.1 of Adam's. Error feedback alone delivers every gradient in full, later; on
+#: the transformer (200 steps, seed 1, dense 1.912) birdplus went 2.132 -> 2.105, and at density
+#: 1.0 to 1.882, Adam's with its variance frozen (docs/adapters.md)
+_ADAPTER_MOMENTUM_CODECS = _PRECONDITIONED_CODECS
+#: the block-selecting codecs' scale cap under Adam (unless the group sets ``cap``): a kept block
+#: travels scaled by 1 / max(p, 1 / cap), its error feedback keeping the excess, so a block that
+#: waits ~1 / density steps to be sent moves sooner. Transformer, 400 steps, seeds 0-2 (dense
+#: 1.662): cap 10 (the codecs' default) 1.882, cap 30 1.848; at 200 steps cap 100 was worse
+ADAM_BLOCK_CAP = 30.0
+_CAPPED_CODECS = frozenset({"bird", "birdplus"})
 #: codecs that send one sign scale per tensor (per bucket): with Adam each big tensor gets a bucket
 #: of its own. On the transformer (200 steps, seed 0) one bucket for the whole model left marsit at
 #: 1.964 nats/byte, a bucket per tensor at 1.900, dense's 1.899
@@ -133,9 +147,18 @@ class _Recipes:
                     continue  # no first moment to move
                 m = beta1
                 self._bn_recipe[gi] = ("adam", beta1, 0.0)
+                if codec in _CAPPED_CODECS:
+                    params.setdefault("cap", ADAM_BLOCK_CAP)
+                if codec in _ADAPTER_MOMENTUM_CODECS:
+                    m = 0.0  # error feedback only (_apply_recipe keeps Adam's m)
+                    self._bn_adapter_m.add(gi)
+                    self._bn_adapter_m_params.update(id(p) for p in g["params"])
             if codec == "randomk":
                 params.setdefault("error_feedback", True)
-            params["momentum"] = m
+            if m:
+                params["momentum"] = m
+            else:
+                params.pop("momentum", None)
             g["birdnet_codec"], g["birdnet_codec_params"] = codec, params
 
     def _send_scale(self, b: Any, p: torch.Tensor) -> torch.Tensor | None:
@@ -246,6 +269,17 @@ class _Recipes:
             key = "exp_avg"
             if not coded:
                 return  # Adam steps on the dense average as usual
+            if id(p) in self._bn_adapter_m_params:
+                # the codec sent error-feedback gradients: Adam's first moment runs here, from the
+                # warm-up's, bias-corrected once at the switch (an average of unbiased estimates
+                # stays unbiased), so the frozen update needs no correction of its own
+                m = st[key]
+                if not st.get("birdnet_coded"):
+                    st["birdnet_coded"] = True
+                    m.div_(1.0 - beta ** float(st["step"]))
+                m.mul_(beta).add_(grad, alpha=1.0 - beta)
+                grad.copy_(m)
+                return
             grad.mul_(1.0 - beta)
         if not st.get("birdnet_coded"):
             # the switch to compression: the momentum so far keeps decaying beside the codec's,
@@ -352,7 +386,8 @@ class _Recipes:
             for p in self.param_groups[gi]["params"]:
                 st = self.state.get(p)
                 if st and st.get("birdnet_coded") and st.get(key) is not None:
-                    st["birdnet_carry"], st["birdnet_carry_weight"] = st[key].detach().clone(), 1.0
+                    if gi not in self._bn_adapter_m:  # the adapter's own m needs no carry
+                        st["birdnet_carry"], st["birdnet_carry_weight"] = st[key].detach().clone(), 1.0
                     self._bn_reset_pending = True
         self._bn_denom.clear()
         self._bn_vsnap.clear()

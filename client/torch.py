@@ -76,9 +76,13 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     (``exp_avg_sq`` stops changing, its bias correction stays that of the last warm-up step),
     refreshed from an all-reduce of the raw gradient in float16 (``ADAM_REFRESH_CODEC``, scaled by a
     power of two from the second moment) at the warm-up's end + 16, + 48, + 112, ... steps (``ADAM_REFRESH_STEPS``; time-weighted, ``v = b2**k v + (1 - b2**k) g**2`` over the k
-    steps since the last sample, the bias correction moved to that step); the first moment moves into the codec (``momentum`` = beta1, kept with the codec's error
-    feedback or Marsit's compensation) and the adapter updates
-    ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)`` with ``m = (1 - beta1) * result + carry``.
+    steps since the last sample, the bias correction moved to that step); the adapter updates
+    ``p -= lr * m / (sqrt(v_frozen / bc2) + eps)``. With a sign codec the first moment moves into
+    the codec (``momentum`` = beta1, kept with Marsit's compensation or the codec's error
+    feedback) and ``m = (1 - beta1) * result + carry``. With a selecting codec the codec keeps
+    error feedback only and the adapter keeps Adam's ``m = beta1 * m + (1 - beta1) * result``
+    (a selecting codec's momentum correction clears a block's momentum when the block is sent, so
+    a block sent often lost most of its step: at density 1.0, all but 1 - beta1 of it).
     Automatic warm-up (``warmup_steps=None``): dense until the bias-corrected second moment has
     settled (its relative L1 change over 8 steps at most 0.3), 40 steps at most. With a sign codec
     (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
@@ -246,6 +250,10 @@ class _DistributedOptimizer(_Recipes):
         self._bn_mode = momentum_in_codec
         #: group index -> ("sgd" | "adam", momentum or beta1, dampening) for the arranged groups
         self._bn_recipe: dict[int, tuple[str, float, float]] = {}
+        #: Adam groups (and their parameters' ids) whose first moment the adapter keeps
+        #: (_recipes._ADAPTER_MOMENTUM_CODECS)
+        self._bn_adapter_m: set[int] = set()
+        self._bn_adapter_m_params: set[int] = set()
         if momentum_in_codec is not False:
             self._arrange()
         adam = any(r[0] == "adam" for r in self._bn_recipe.values())

@@ -29,6 +29,7 @@ def bare(opt_cls, params, recipe, **kw):
     opt = cls(params, **kw)
     opt._bn_recipe, opt._bn_denom, opt._bn_synced = {0: recipe}, {}, True
     opt._bn_warmup, opt._bn_vsnap, opt._bn_codec = 0, {}, "marsit"  # the tests say which steps are compressed
+    opt._bn_adapter_m, opt._bn_adapter_m_params = set(), set()
     return opt
 
 
@@ -108,6 +109,26 @@ def test_adam_recipe_is_adam_with_the_variance_frozen_after_the_warm_up(opt_cls,
     st = opt.state[p]
     assert float(st["step"]) == warm  # Adam's own step stopped: the variance froze there
     assert st["birdnet_coded"] is True
+
+
+@pytest.mark.parametrize("opt_cls,wd", [(torch.optim.AdamW, 0.01), (torch.optim.Adam, 0.05)])
+def test_adam_with_a_selecting_codec_keeps_its_first_moment_in_the_adapter(opt_cls, wd):
+    """A selecting codec carries error feedback only (its result is the gradient when it drops
+    nothing) and the adapter runs Adam's first moment on it: Adam with the variance frozen, exactly.
+    (With the momentum in the codec instead, a block sent every step would step (1 - beta1) of it.)"""
+    steps, warm, lr = 14, 5, 0.01
+    ref = frozen_adam_reference(opt_cls, steps, warm, lr, wd)
+    p = torch.nn.Parameter(torch.ones(5, 3))
+    opt = bare(opt_cls, [p], ("adam", 0.9, 0.0), lr=lr, weight_decay=wd)
+    opt._bn_adapter_m, opt._bn_adapter_m_params = {0}, {id(p)}
+    for s, g in enumerate(grads(steps)):
+        p.grad = g.clone()
+        opt._apply_recipe(p, opt._bn_recipe[0], s >= warm)
+        opt._bn_synced = True
+        opt.step()
+        torch.testing.assert_close(p.detach(), ref[s], rtol=1e-5, atol=1e-6, msg=f"step {s}")
+    st = opt.state[p]
+    assert float(st["step"]) == warm and st["birdnet_coded"] is True and "birdnet_carry" not in st
 
 
 def test_a_refresh_moves_the_frozen_variance_as_adam_would_over_the_steps_it_stands_for():
@@ -308,9 +329,16 @@ def test_automatic_mode_arranges_each_optimizer(one_node):
     adam.remove_hooks()
     rk = bnt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), named_parameters=named,
                                   client=one_node, codec="randomk", warmup_steps=3)
-    assert rk.param_groups[0]["birdnet_codec_params"] == {"error_feedback": True, "momentum": 0.9}
-    assert rk.birdnet_warmup_steps == 3
+    # a selecting codec keeps error feedback only; Adam's first moment stays in the adapter
+    assert rk.param_groups[0]["birdnet_codec_params"] == {"error_feedback": True}
+    assert rk._bn_adapter_m == {0} and rk.birdnet_warmup_steps == 3
     rk.remove_hooks()
+    # a block-selecting codec under Adam: its scale cap raised, unless the group sets one
+    for given, want in (({}, {"cap": rec.ADAM_BLOCK_CAP}), ({"cap": 4.0}, {"cap": 4.0})):
+        bp = bnt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), named_parameters=named,
+                                      client=one_node, codec="birdplus", codec_params=given)
+        assert bp.param_groups[0]["birdnet_codec_params"] == want and bp._bn_adapter_m == {0}
+        bp.remove_hooks()
     # dense and fp16 need nothing; False keeps the optimizer exactly as given
     for kw in ({"codec": None}, {"codec": "fp16"}, {"codec": "topk", "momentum_in_codec": False}):
         o = bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -479,7 +507,11 @@ def adamw_worker(sock, node, local, codec):
         opt2.load_state_dict(saved[1])
         sched2.load_state_dict(saved[2])
         coded = [st for st in opt2.state.values() if st.get("birdnet_coded")]
-        carry_restarted = bool(coded) and all(torch.equal(st["birdnet_carry"], st["exp_avg"]) for st in coded)
+        # a sign codec's momentum restarts from the saved estimate (the carry); with a selecting
+        # codec Adam's first moment is the adapter's own, restored as it was (no carry)
+        carry_restarted = bool(coded) and all(
+            ("birdnet_carry" not in st) if opt2._bn_adapter_m else torch.equal(st["birdnet_carry"], st["exp_avg"])
+            for st in coded)
         reset_pending = opt2._bn_reset_pending
         replay = []
         for x, y in data[SAVE:]:
@@ -515,7 +547,8 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
     assert a["digests"] == b["digests"], "the processes' parameters differ"
     assert a["replay"] == b["replay"], "after the restore the processes' parameters differ"
     assert a["round_trip"] == STEPS
-    assert a["coded"] == ["birdnet_carry", "birdnet_carry_weight", "birdnet_coded"]
+    assert a["coded"] == (["birdnet_carry", "birdnet_carry_weight", "birdnet_coded"] if codec == "marsit"
+                          else ["birdnet_coded"])
     # the model trained (parameters changed every step)
     assert len(set(a["digests"])) == STEPS
     # a restore resets the daemons' codec state before the first submission and restarts the
