@@ -226,6 +226,13 @@ class ElasticRing:
                 or sender != m.ring[m.ring.index(self.rank) - 1]):
             log.debug("ignored a start from rank %r: %r", sender, {k: h.get(k) for k in ("k", "ep", "S", "L")})
             return None
+        mine = m.incarnations.get(str(self.rank))
+        if mine not in (None, "None") and mine != self.net.incarnation:
+            # A start for this node's previous life: a neighbour's DEALER queued it while this
+            # daemon was down and delivered it once the connection came back. Followed, it held
+            # this node in a round no leader runs any more for up to round_timeout
+            log.info("ignored a start of round %r for an earlier incarnation of this node (%s)", h.get("k"), mine)
+            return None
         if self.rank in m.joiners and self.join_epoch != m.epoch:
             self.join_epoch, self.aligned = m.epoch, set()
         self.current = RingNeighbours(self.net, m.ring, m.leader, m.fields())
