@@ -51,15 +51,13 @@ MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", 
 #: the selecting codecs, which then keep the coordinates with the largest *steps*. The sign codecs
 #: do not: on the transformer benchmark marsit reached 2.028 nats/byte preconditioned against 1.957
 #: not (dense 1.899), birdplus 2.080 against 2.129 (200 steps, seed 0, docs/adapters.md)
-_PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
-#: Adam groups whose first moment stays in the adapter: the codec keeps error feedback only and the
-#: adapter runs Adam's m = beta1 m + (1 - beta1) result on the average. Momentum correction in a
-#: selecting codec clears a block's momentum when the block is sent (DGC's masking), so a block
-#: sent every few steps loses most of its displacement: at density 1.0 the step was
-#: (1 - beta1) = 0.1 of Adam's. Error feedback alone delivers every gradient in full, later; on
+#: Under Adam these codecs keep error feedback only and Adam's first moment stays in the adapter,
+#: m = beta1 m + (1 - beta1) result on the average. Momentum correction in a selecting codec
+#: clears a block's momentum when the block is sent (DGC's masking), so a block sent every few
+#: steps loses most of its displacement: at density 1.0 the step was (1 - beta1) = 0.1 of Adam's. Error feedback alone delivers every gradient in full, later; on
 #: the transformer (200 steps, seed 1, dense 1.912) birdplus went 2.132 -> 2.105, and at density
 #: 1.0 to 1.882, Adam's with its variance frozen (docs/adapters.md)
-_ADAPTER_MOMENTUM_CODECS = _PRECONDITIONED_CODECS
+_PRECONDITIONED_CODECS = frozenset({"topk", "dgc", "randomk", "bird", "birdplus"})
 #: the block-selecting codecs' scale cap under Adam (unless the group sets ``cap``): a kept block
 #: travels scaled by 1 / max(p, 1 / cap), its error feedback keeping the excess, so a block that
 #: waits ~1 / density steps to be sent moves sooner. Transformer, 400 steps, seeds 0-2 (dense
@@ -149,10 +147,9 @@ class _Recipes:
                 self._bn_recipe[gi] = ("adam", beta1, 0.0)
                 if codec in _CAPPED_CODECS:
                     params.setdefault("cap", ADAM_BLOCK_CAP)
-                if codec in _ADAPTER_MOMENTUM_CODECS:
+                if codec in _PRECONDITIONED_CODECS:
                     m = 0.0  # error feedback only (_apply_recipe keeps Adam's m)
                     self._bn_adapter_m.add(gi)
-                    self._bn_adapter_m_params.update(id(p) for p in g["params"])
             if codec == "randomk":
                 params.setdefault("error_feedback", True)
             if m:
@@ -247,7 +244,8 @@ class _Recipes:
 
 
     @torch.no_grad()
-    def _apply_recipe(self, p: torch.Tensor, recipe: tuple[str, float, float], coded: bool) -> None:
+    def _apply_recipe(self, p: torch.Tensor, recipe: tuple[str, float, float], coded: bool,
+                      adapter_m: bool = False) -> None:
         """Turn the averaged result in ``p.grad`` into the momentum the wrapped optimizer (SGD)
         or the frozen-variance update (Adam) steps on. Runs on identical inputs on every process."""
         kind, beta, damp = recipe
@@ -269,7 +267,7 @@ class _Recipes:
             key = "exp_avg"
             if not coded:
                 return  # Adam steps on the dense average as usual
-            if id(p) in self._bn_adapter_m_params:
+            if adapter_m:
                 # the codec sent error-feedback gradients: Adam's first moment runs here, from the
                 # warm-up's, bias-corrected once at the switch (an average of unbiased estimates
                 # stays unbiased), so the frozen update needs no correction of its own

@@ -250,10 +250,8 @@ class _DistributedOptimizer(_Recipes):
         self._bn_mode = momentum_in_codec
         #: group index -> ("sgd" | "adam", momentum or beta1, dampening) for the arranged groups
         self._bn_recipe: dict[int, tuple[str, float, float]] = {}
-        #: Adam groups (and their parameters' ids) whose first moment the adapter keeps
-        #: (_recipes._ADAPTER_MOMENTUM_CODECS)
+        #: Adam groups whose first moment the adapter keeps (a selecting codec: _recipes._arrange)
         self._bn_adapter_m: set[int] = set()
-        self._bn_adapter_m_params: set[int] = set()
         if momentum_in_codec is not False:
             self._arrange()
         adam = any(r[0] == "adam" for r in self._bn_recipe.values())
@@ -495,7 +493,7 @@ class _DistributedOptimizer(_Recipes):
                         if id(p) in b.scaled and p.grad is not None:
                             p.grad.mul_(self._bn_denom[id(p)])  # back to gradient units
                         if recipe is not None and p.grad is not None:
-                            self._apply_recipe(p, recipe, coded)
+                            self._apply_recipe(p, recipe, coded, b.group in self._bn_adapter_m)
                     vh = b.var_handle
                     if vh is not None:
                         vh.wait(self._bn_timeout)
