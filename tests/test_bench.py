@@ -162,6 +162,30 @@ def test_bench_train_writes_results_per_codec_and_seed(tmp_path):
 
 
 @pytest.mark.timeout(400)
+def test_bench_train_run_alone_trains_as_in_a_list(tmp_path):
+    """The job name seeds a codec's random draws: a configuration must train the same whether it
+    runs alone or second in a list (before, jobs were numbered by their place in the list)."""
+    pytest.importorskip("sklearn")
+    finals = []
+    for codecs in ("birdplus:density=0.05", "none,birdplus:density=0.05"):
+        res = tmp_path / f"{len(finals)}.json"
+        birdnet("bench", "train", "--nodes", "2", "--data", "digits", "--codecs", codecs, "--seeds", "0",
+                "--epochs", "1", "--json", str(res), timeout=360)
+        run = next(r for r in json.loads(res.read_text())["runs"] if r["codec"] == "birdplus:density=0.05")
+        finals.append((run["acc"], run["loss"], [h["loss"] for h in run["history"]]))
+    assert finals[0] == finals[1]  # bit for bit (bytes sent differ by a few header bytes: round numbers)
+
+
+def test_bench_train_job_names_follow_the_configuration():
+    from birdnet.bench.train import run_job
+    a = run_job("birdplus:density=0.01", 0)
+    assert a == run_job("birdplus:density=0.01", 0, {"train-x"})  # not the place in the list
+    assert len({a, run_job("birdplus:density=0.01", 1), run_job("birdplus:density=0.01:cap=30", 0)}) == 3
+    assert run_job("birdplus:density=0.01", 0, {a}) not in (a, "")  # a repeat gets fresh codec state
+    assert len(run_job("x" * 500, 10**9)) <= 200  # the daemon's limit on job names
+
+
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("task,codecs", [("cnn", "none,marsit"), ("lm", "birdplus:density=0.01")])
 def test_bench_train_torch_tasks_smoke(tmp_path, task, codecs):
     """--task cnn / lm: a few steps through the PyTorch adapter (the smoke CI runs; the real

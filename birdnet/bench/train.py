@@ -19,6 +19,7 @@ workers apply momentum SGD to the average.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -100,6 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_job(codec_label: str, seed: int, taken: set[str] = frozenset()) -> str:
+    """The job name of one run: a function of the codec and the seed, not of the run's place in
+    the list, because the job name seeds the codecs' random draws (daemon/engine.py ``seed_for``):
+    a configuration re-run alone then trains exactly as it did beside others. A repeat of the same
+    configuration and seed in one invocation gets a suffix (each run needs fresh codec state)."""
+    base = f"train-{hashlib.sha256(codec_label.encode()).hexdigest()[:12]}-s{seed}"
+    job, i = base, 1
+    while job in taken:
+        i += 1
+        job = f"{base}-{i}"
+    return job
+
+
 def _run_all(nodes: int, codecs, seeds: list[int], worker, config, fields, progress) -> list[dict[str, Any]] | None:
     """Every codec at every seed, one after another, on one local cluster of ``nodes`` daemons:
     ``config(name, params, seed, job)`` is the workers' configuration, ``fields(r0)`` what a run
@@ -115,11 +129,14 @@ def _run_all(nodes: int, codecs, seeds: list[int], worker, config, fields, progr
         try:
             with cl:
                 k = 0
+                jobs: set[str] = set()
                 for name, params in codecs:
                     for seed in seeds:
                         k += 1
                         print(f"[{k}/{total}] {label(name, params)} seed {seed} ...", end="", file=sys.stderr, flush=True)
-                        cfg = config(name, params, seed, f"train-{k}")
+                        job = run_job(label(name, params), seed, jobs)
+                        jobs.add(job)
+                        cfg = config(name, params, seed, job)
                         t0 = time.monotonic()
                         res = cl.run(worker, cfg, timeout=7200)
                         seconds = time.monotonic() - t0
