@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_job(codec_label: str, seed: int, taken: set[str] = frozenset()) -> str:
+def run_job(codec_label: str, seed: int, taken: AbstractSet[str] = frozenset()) -> str:
     """The job name of one run: a function of the codec and the seed, not of the run's place in
     the list, because the job name seeds the codecs' random draws (daemon/engine.py ``seed_for``):
     a configuration re-run alone then trains exactly as it did beside others. A repeat of the same
