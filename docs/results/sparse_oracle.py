@@ -36,24 +36,10 @@ import numpy as np
 import torch
 from birdnet.client._torch_recipes import ADAM_REFRESH_STEPS
 
+from birdnet.bench.specs import parse_spec
 from birdnet.bench.torchtasks import make_task
 from birdnet.codecs import get_codec
 from birdnet.codecs.base import RoundContext, begin_round, commit_round
-
-
-def codec_from_spec(spec: str):
-    name, *kv = spec.split(":")
-    params = {}
-    for item in kv:
-        k, v = item.split("=")
-        try:
-            params[k] = int(v)
-        except ValueError:
-            try:
-                params[k] = float(v)
-            except ValueError:
-                params[k] = v
-    return get_codec(name, **params)
 
 
 def refresh_steps(warmup: int, steps: int) -> set[int]:
@@ -84,7 +70,8 @@ def main() -> None:
     n = sum(p.numel() for p in params)
     g0 = opt.param_groups[0]
     (b1, b2), eps, wd, lr = g0["betas"], g0["eps"], g0["weight_decay"], task.lr
-    codec = codec_from_spec(a.codec) if a.mode == "codec" else None
+    name, cparams = parse_spec(a.codec)
+    codec = get_codec(name, **cparams) if a.mode == "codec" else None
     states = [codec.new_state(n) if codec else None for _ in range(a.world)]
     refresh = refresh_steps(a.warmup, a.steps)
     hist, sent, t0 = [], 0, time.time()
