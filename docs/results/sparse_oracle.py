@@ -22,8 +22,9 @@ moment on the average, AdamW's decoupled weight decay. What travels:
             exact top ``density`` fraction of elements by magnitude is applied each step, the
             rest kept for later. A selection as good as a shared selection can be (it sees the
             sum of every worker's residual, element by element, with no block or index cost),
-            at any density: what a real codec at that density can approach, not pass, in the
-            way error feedback delivers gradients.
+            at any density: what a shared (summable) codec at that density can approach, not
+            pass. A gathered codec's N selections move up to N times as many coordinates a
+            step, which is why birdplus at 0.01 lands between the 1 % and the 4 % oracle.
 
 Prints the validation loss every 100 steps and a JSON line at the end. A measuring tool, not part
 of birdnet; 2 shared cores: about 3.5 minutes for dense or oracle, 7 for codec (two at a time).
@@ -131,9 +132,9 @@ def main() -> None:
             with torch.no_grad():
                 o = 0
                 for p in params:
-                    k = p.numel()
-                    p.mul_(1 - lr * wd).add_((m[o:o + k] / denom[o:o + k]).view_as(p), alpha=-lr)
-                    o += k
+                    size = p.numel()
+                    p.mul_(1 - lr * wd).add_((m[o:o + size] / denom[o:o + size]).view_as(p), alpha=-lr)
+                    o += size
         if (step + 1) % 100 == 0 or step + 1 == a.steps:
             hist.append((step + 1, round(task.evaluate(model)["val_loss"], 4)))
             print(*hist[-1], f"{time.time() - t0:.0f} s", flush=True)
