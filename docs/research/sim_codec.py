@@ -11,8 +11,8 @@ another order, so single runs differ from the daemons' in the last bits, not in 
     python docs/research/sim_codec.py --workers 4 --seeds 0,1,2 \
         --codec birdplus --params density=0.01,momentum=0.9,mode=shared
 
-``--codec oracle --params density=D,momentum=0.9[,block=8]`` bounds every summable selection:
-each round the exact top D of the blocks of all nodes' summed error feedback (oracle_round).
+``--codec oracle --params density=D[,gamma=16][,norms=...]`` selects from every node's whole
+accumulator, which no codec can: what a summable selection could reach (oracle_round).
 """
 from __future__ import annotations
 
@@ -72,15 +72,22 @@ def codec_round(codec, xs, states, n: int, t: int, ti: int, seed: int, name: str
 
 def oracle_round(xs, acc, op: dict, rng: np.random.Generator, memo: dict) -> np.ndarray:
     """A summable selection made from what no codec has (every node's whole accumulator), to
-    bound what a summable codec could reach. Each node's error feedback v (with ``momentum``:
-    u = m u + x, v += u, u cleared where sent, as the codecs' momentum correction; without it the
-    optimizer's momentum acts on the result); the blocks (``block`` elements) are ranked by the
-    L1 norms of the sum V of all nodes' v (``norms=sum``), or by the sum of each node's own norms
-    (``sumabs``), or by a random projection per block (``proj``; ``stale=1``: those after the previous round's send, what a summable tail could
-    carry), or estimates no node has to send (``rot``: sumabs for every ``refresh``-th block in
-    turn; ``agerate``: rounds unsent x the block's last sent norm per round). The top ``density``
-    of blocks, or with ``gamma`` a sample as birdplus draws it (p ~ norm^gamma, K expected) scaled
-    by 1/max(p, 1/``cap``); every node sends its v there (they add up to V) and keeps the rest."""
+    bound what a summable codec could reach (docs/research/findings.md, fourth pass).
+
+    Each node keeps error feedback v (with ``momentum``: u = m u + x, v += u, u cleared where
+    sent, as the codecs' momentum correction; without it the optimizer's momentum acts on the
+    result). Blocks of ``block`` elements are ranked by ``norms``:
+
+    - ``sum`` (default): the L1 norms of the sum V of all nodes' v;
+    - ``sumabs``: the sum of each node's own norms (summable);
+    - ``proj``: one random +-1 projection of each block, summed (summable);
+    - ``rot``: ``sumabs`` for every ``refresh``-th block in turn, sent blocks' residuals exactly;
+    - ``agerate``: nothing sent: rounds unsent x the block's last sent norm per round.
+
+    ``stale=1`` takes the norms after the previous round's send (what a summable tail of this
+    round's payload could carry). The top ``density`` of the blocks are kept, or with ``gamma`` a
+    sample as birdplus draws it (p ~ norm^gamma, K expected), scaled by 1/max(p, 1/``cap``). Every
+    node sends its v there (they add up to V there, times the scale) and keeps the rest."""
     m, b = float(op.get("momentum", 0.0)), int(op.get("block", 8))
     n = xs[0].size
     for x, (u, v) in zip(xs, acc):
@@ -117,7 +124,7 @@ def oracle_round(xs, acc, op: dict, rng: np.random.Generator, memo: dict) -> np.
     if op.get("gamma"):  # sampled as birdplus samples (p ~ norm^gamma, K in expectation), capped 1/p
         w = (norms / norms.max()) ** float(op["gamma"]) if norms.max() > 0 else np.ones(nb)
         lo, hi = 0.0, 1e30
-        for _ in range(200):  # water filling: sum min(1, A w) = k
+        for _ in range(200):  # water filling, sum of min(1, A w) = k: double A until past it, then bisect
             mid = (lo + hi) / 2 if hi < 1e30 else max(1.0, lo * 2)
             lo, hi = (mid, hi) if np.minimum(1.0, mid * w).sum() < k else (lo, mid)
         p = np.minimum(1.0, hi * w)
