@@ -316,6 +316,13 @@ class Daemon:
         self.clients.setsockopt(zmq.LINGER, 0)
         self.clients.setsockopt(zmq.MAXMSGSIZE, wire.MAX_HEADER_BYTES + 1024)
         self.clients.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # Every connection as the kernel sees it (accepted / gone, by descriptor): a process's
+        # sessions end when its last connection closes (a FIFO pair each, held for ever before),
+        # a connection that says no hello within hello_timeout is dropped, and beyond
+        # max_connections new ones are dropped at once. Watched before the bind: a process that
+        # connects the moment the socket file appears (a launcher started with the daemon) was
+        # accepted unreported, and its hello was taken for one whose connection had closed.
+        self.conn_monitor = self.clients.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         old = os.umask(0o117 if self.gid is not None else 0o177)
         try:
             self.clients.bind(f"ipc://{self.socket_path}")
@@ -325,11 +332,6 @@ class Daemon:
         finally:
             os.umask(old)
         self._open_fd_socket()
-        # Every connection as the kernel sees it (accepted / gone, by descriptor): a process's
-        # sessions end when its last connection closes (a FIFO pair each, held for ever before),
-        # a connection that says no hello within hello_timeout is dropped, and beyond
-        # max_connections new ones are dropped at once.
-        self.conn_monitor = self.clients.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         #: descriptor -> [peer pid or None, accepted at, has said something (a message came over it)]
         self.connections: dict[int, list[Any]] = {}
         #: pid -> times its connections were dropped for saying nothing (SILENT_STRIKES)
