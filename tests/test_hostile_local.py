@@ -359,6 +359,71 @@ def test_wake_up_queue_full_is_not_an_error(tmp_path):
         d.shutdown()
 
 
+@pytest.mark.timeout(60)
+def test_connection_accepted_right_after_the_bind_is_served(tmp_path, monkeypatch):
+    """A process that connects the moment the socket file appears (a launcher started with the
+    daemon) is served. The connection monitor was attached after the bind: such a connection's
+    accept went unreported, its hello was taken for one whose connection had closed, and the
+    process waited out its connect timeout (DaemonUnavailableError; seen in CI). Real Daemon, real
+    sockets: the connection is made and accepted right after the bind, before the rest of setup."""
+    import signal
+    import threading
+
+    from birdnet.daemon import service
+    from zmq.utils.monitor import recv_monitor_message
+
+    from birdnet.config import Settings
+    path = str(tmp_path / "early.sock")
+    ctx = zmq.Context()
+    early: dict = {}
+    replies: list = []
+    open_fd_socket = service.Daemon._open_fd_socket
+
+    def connect_after_bind(self) -> None:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        s.connect(f"ipc://{path}")
+        # the handshake needs the daemon's side of the connection: it has been accepted
+        assert mon.poll(10_000), "no handshake with the daemon's socket"
+        recv_monitor_message(mon)
+        early["sock"], early["mon"] = s, mon
+        open_fd_socket(self)
+
+    monkeypatch.setattr(service.Daemon, "_open_fd_socket", connect_after_bind)
+    d = service.Daemon(Settings(socket=path))
+
+    def client() -> None:
+        try:
+            deadline = time.monotonic() + 20
+            while "sock" not in early and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s = early.get("sock")
+            if s is not None:
+                s.send_multipart(wire.encode({"t": "hello", "proto": PROTOCOL_VERSION, "job": "early",
+                                              "pid": os.getpid()}))
+                if s.poll(10_000):
+                    replies.append(wire.decode(s.recv_multipart(), max_bytes=wire.MAX_HEADER_BYTES)[0])
+                    s.send_multipart(wire.encode({"t": "bye", "call": 1}))
+        finally:
+            d.signals.append(signal.SIGTERM)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    try:
+        assert d.serve_forever() == 0
+    finally:
+        t.join(15)
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        for k in ("sock", "mon"):
+            if k in early:
+                early[k].close(0)
+        ctx.destroy(0)
+    assert replies and replies[0].get("t") == "welcome", replies
+
+
 # -- 2: shared memory a process cannot turn into a daemon crash -------------------------------------------
 def _segment_fd(reply: dict) -> int:
     """The process's own descriptor of the segment an alloc gave it (as birdnet.client opens it)."""
