@@ -115,8 +115,8 @@ def oracle_round(xs, acc, op: dict, rng: np.random.Generator, memo: dict) -> np.
         if "est" not in memo:
             memo["est"], memo["t"] = global_norms(acc, b, {"norms": "sumabs"}), 0
         norms = memo["est"]
-    else:
-        norms = global_norms(acc, b, op)
+    else:  # the sum V is at hand: its norms without adding the accumulators up again
+        norms = block_l1(tot, b) if op.get("norms", "sum") == "sum" else global_norms(acc, b, op)
     if op.get("stale") and "norms" in memo:
         norms = memo["norms"]  # of the accumulators after the last round's send, as a tail could carry them
     k = max(1, int(np.ceil(float(op.get("density", 0.01)) * nb)))
