@@ -126,7 +126,7 @@ def test_powersgd_trains_the_lm_in_one_bucket_where_plain_ddp_uses_two(tmp_path)
     # two buckets (see wrap_ddp); one rank on Gloo is enough to see how DDP buckets it. Step 3
     # (iteration 2 = start_powerSGD_iter for 20 steps) runs the compressed path.
     code = f"""
-        import json, torch, torch.distributed as dist
+        import gc, json, torch, torch.distributed as dist
         from birdnet.bench.torchtasks import make_task
         from birdnet.bench.ddp import wrap_ddp
         torch.set_num_threads(1)
@@ -144,10 +144,15 @@ def test_powersgd_trains_the_lm_in_one_bucket_where_plain_ddp_uses_two(tmp_path)
                 loss.backward()
                 opt.step()
             d = net._get_ddp_logging_data()
-            out[cfg] = {{"buckets": d["rebuilt_bucket_sizes"], "loss": float(loss),
+            out[cfg] = {{"buckets": d["rebuilt_bucket_sizes"], "loss": float(loss.detach()),
                         "state": type(state).__name__, "iter": getattr(state, "iter", None)}}
+            # DDP and the hook's state are freed while the interpreter is whole: left to its
+            # finalization, Gloo's work objects can free tensors without a GIL and abort the
+            # process ("terminate called without an active exception", seen once in CI)
+            del net, state, opt, loss, x, y
+            gc.collect()
         dist.destroy_process_group()
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
     """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.run(py(code), capture_output=True, text=True, timeout=100, env=env)
