@@ -13,8 +13,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-#: Wire protocol version; peers and clients refuse a different one (see birdnet.wire).
-PROTOCOL_VERSION = 1
+#: Wire protocol version; peers and clients refuse a different one (see birdnet.wire). 2: a merged
+#: (Marsit) round's scales ride from reduce-scatter step 1 and in all-gather step 0.
+PROTOCOL_VERSION = 2
 
 from birdnet.errors import BirdnetError  # noqa: E402
 

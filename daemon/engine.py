@@ -423,8 +423,11 @@ class RoundRunner:
             # daemon start that a daemon whose jobs never use a merged codec should not pay
             from birdnet.ring.merge import merged_allreduce
             comp = 0.0
-            # merged_allreduce runs the codec's after_round / after_flush itself
-            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout, out=dst, tag=lane_tag)
+            # merged_allreduce runs the codec's after_round / after_flush itself, and divides as it
+            # decodes when the codec keeps no use for the sum
+            divided = mean and not codec.needs_result_sum
+            out = merged_allreduce(transport, codec, x, ctx, state, timeout=timeout, out=dst, tag=lane_tag,
+                                   divide_by=ctx.total_count if divided else 0)
         else:  # pragma: no cover - a codec declaring something else is a programming error
             raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
         if codec.pattern != Pattern.MERGED:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from birdnet.codecs import RoundContext, get_codec
-from birdnet.errors import CodecError, ProtocolError, RoundMismatchError
+from birdnet.errors import CodecError, InputError, ProtocolError, RoundMismatchError
 from birdnet.kernels.signbits import nbytes_for
 from birdnet.ring.merge import merge_bounds, merged_allreduce
 from birdnet.ring.transport import MemoryRing
@@ -221,6 +221,43 @@ def test_local_compensation_variant():
         np.testing.assert_allclose(s["c"], x - np.where(x >= 0, sigma, -sigma), atol=1e-6)
 
 
+@pytest.mark.parametrize("codec_name,params", [("marsit", {}), ("marsit", {"scale": "rms", "momentum": 0.5}),
+                                               ("signcascade", {"compensation": "local"})])
+@pytest.mark.parametrize("world,counts", [(1, (3,)), (2, (1, 2)), (5, (1, 2, 1, 3, 1))])
+def test_a_mean_decoded_in_the_ring_is_the_sum_divided_bit_for_bit(codec_name, params, world, counts):
+    # The daemon asks the ring for the mean (divide_by) instead of dividing the result in another
+    # pass; the bits must be those of the old order: decode the sum, then one float32 division.
+    # The codec state after the round (compensation made while the ring waits) must match too.
+    n = 1003
+    rng = np.random.default_rng(world)
+    codec = get_codec(codec_name, flush=0, **params)
+    xs = [rng.standard_normal(n).astype(np.float32) * counts[r] for r in range(world)]
+    st_sum, st_mean = ([codec.new_state(n) for _ in range(world)] for _ in range(2))
+    for rnd in range(3):
+        sums, _, _ = run_round(codec, xs, counts=counts, round_id=rnd, tensor_round=rnd, states=st_sum)
+        ring = MemoryRing(world)
+
+        def fn(t, rnd=rnd):
+            ctx = ctx_for(t.rank, world, n, counts=counts, round_id=rnd, tensor_round=rnd)
+            return merged_allreduce(t, codec, xs[t.rank], ctx, st_mean[t.rank], timeout=10.0,
+                                    divide_by=sum(counts))
+
+        means = ring.run(fn, timeout=30.0)
+        for r in range(world):
+            want = sums[r] / np.float32(sum(counts))
+            np.testing.assert_array_equal(means[r].view(np.uint32), want.view(np.uint32))
+            np.testing.assert_array_equal(st_mean[r]["c"].view(np.uint32), st_sum[r]["c"].view(np.uint32))
+    assert np.abs(st_sum[0]["c"]).sum() > 0  # the compensation did run
+
+
+def test_a_codec_that_needs_the_sum_is_not_handed_the_mean():
+    codec = get_codec("marsit", compensation="global")
+    assert codec.needs_result_sum and not get_codec("marsit").needs_result_sum
+    with pytest.raises(InputError, match="needs the round's sum"):
+        merged_allreduce(MemoryRing(1).transports[0], codec, np.ones(8, np.float32), ctx_for(0, 1, 8), None,
+                         timeout=1.0, divide_by=2)
+
+
 def test_nodes_disagreeing_on_length_all_fail_without_hanging():
     codec = get_codec("marsit", **PURE)
     xs = [np.ones(16, np.float32), np.ones(24, np.float32), np.ones(16, np.float32)]
@@ -248,21 +285,24 @@ class ScriptedTransport:
 def good_messages(n=20):
     bounds = merge_bounds(n, 2)
     b0, b1 = nbytes_for(bounds[1]), nbytes_for(n) - nbytes_for(bounds[1])
-    rs = {"t": "data", "p": "mrs", "s": 0, "seg": 0, "codec": "marsit", "n": n, "w": 1, "src": 0,
-          "scale": 0.5, "meta": {}}
-    ag = {"t": "data", "p": "mag", "s": 0, "seg": 1, "codec": "marsit", "n": n, "meta": {}}
+    # at 2 nodes no scale rides in the reduce-scatter's one step (rank 0 packs the rest of its
+    # vector while its first segment travels); its scale comes in all-gather step 0
+    rs = {"t": "data", "p": "mrs", "s": 0, "seg": 0, "codec": "marsit", "n": n, "w": 1, "meta": {}}
+    ag = {"t": "data", "p": "mag", "s": 0, "seg": 1, "codec": "marsit", "n": n, "src": 0, "scale": 0.5,
+          "meta": {}}
     return [(rs, [b"\x0f" * b0]), (ag, [b"\xf0" * b1])]
 
 
-@pytest.mark.parametrize("field,value,error", [
-    ("s", 1, ProtocolError), ("seg", 1, ProtocolError), ("p", "rs", ProtocolError),
-    ("scale", "big", ProtocolError), ("meta", {"s": "x"}, ProtocolError), ("meta", [1], ProtocolError),
-    ("w", 2, RoundMismatchError), ("src", 1, RoundMismatchError), ("n", 21, RoundMismatchError),
-    ("codec", "topk", RoundMismatchError)])
-def test_bad_headers_are_rejected(field, value, error):
+@pytest.mark.parametrize("msg,field,value,error", [
+    (0, "s", 1, ProtocolError), (0, "seg", 1, ProtocolError), (0, "p", "rs", ProtocolError),
+    (1, "scale", "big", ProtocolError), (1, "scale", None, ProtocolError), (0, "meta", {"s": "x"}, ProtocolError),
+    (0, "meta", [1], ProtocolError), (1, "meta", [1], ProtocolError),
+    (0, "w", 2, RoundMismatchError), (1, "src", 1, RoundMismatchError), (0, "n", 21, RoundMismatchError),
+    (1, "n", 21, RoundMismatchError), (0, "codec", "topk", RoundMismatchError)])
+def test_bad_headers_are_rejected(msg, field, value, error):
     codec = get_codec("marsit", **PURE)
     msgs = good_messages()
-    msgs[0][0][field] = value
+    msgs[msg][0][field] = value
     t = ScriptedTransport(msgs)
     with pytest.raises(error):
         merged_allreduce(t, codec, np.ones(20, np.float32), ctx_for(1, 2, 20), None, timeout=1.0)

@@ -183,3 +183,29 @@ def test_wrappers_reject_bad_input():
     with pytest.raises(ValueError, match="writable"):
         sb.merge_signbits(np.zeros(2, np.uint8), np.zeros(2, np.uint8), readonly(np.zeros(2, np.uint8)),
                           1, 1, 0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 13, 1000, 4099])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fused_prepare_pack_equals_the_three_kernels_bit_for_bit(n, momentum):
+    # Marsit's compress runs the fused kernel; nodes stay identical only if it is the same
+    # arithmetic as prepare_p + abs_sum + pack_signs (the tail of n % 8 and n % 4 included).
+    rng = np.random.default_rng(100 + n)
+    x, c, u = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    x[:: 5] = 0.0
+    if n > 2:
+        x[2], c[2] = -0.0, 0.0  # -0 + 0 = +0 in p; the sign bit of p decides, as in pack_signs
+    u_ref, u_fused = u.copy(), u.copy()
+    p_ref, p_fused = np.empty(n, np.float32), np.full(n, np.nan, np.float32)
+    bits = np.full(sb.nbytes_for(n), 0xAA, np.uint8)
+    if momentum:
+        sb.prepare_p(x, 0.25, c, p_ref, momentum, u_ref)
+        total = sb.prepare_pack(readonly(x), 0.25, c, p_fused, bits, momentum, u_fused)
+        np.testing.assert_array_equal(u_fused, u_ref)
+    else:
+        sb.prepare_p(x, 0.25, c, p_ref)
+        total = sb.prepare_pack(readonly(x), 0.25, c, p_fused, bits)
+        np.testing.assert_array_equal(u_fused, u)  # untouched without momentum
+    np.testing.assert_array_equal(p_fused, p_ref)
+    np.testing.assert_array_equal(bits, sb.pack_signs(p_ref))
+    assert total == sb.abs_sum(p_ref)  # the same accumulators in the same order: equal, not close

@@ -112,31 +112,45 @@ class SignRingCodec(Codec):
                      st.get("u"))
         return p
 
-    def local_scale(self, x: np.ndarray, p: np.ndarray, ctx: RoundContext) -> float:
-        """This node's per-process scale sigma by the ``scale`` rule."""
-        n = p.shape[0]
-        rule = self.params.get("scale", "mean_abs")
-        if rule == "fixed":
-            return self.params["step"]
-        if n == 0:
-            return 0.0
-        if rule == "mean_abs":
-            return sb.abs_sum(p) / n
-        if rule == "rms":
-            return math.sqrt(sb.sq_sum(p) / n)
-        return sb.abs_sum(np.ascontiguousarray(x, np.float32)) / n / max(1, int(ctx.local_count))
-
     def compress(self, x: np.ndarray, ctx: RoundContext, state: Any) -> Payload:
         """Sign bits of p (``ceil(n/8)`` bytes, birdnet.kernels.signbits order) and sigma."""
         if x.ndim != 1:
             x = x.reshape(-1)
-        p = self.prepare(x, ctx, state)
-        sigma = float(self.local_scale(x, p, ctx))
-        if state is not None:
-            state["sigma"] = sigma
-        bits = sb.pack_signs(p)
-        return Payload(header={"scale": sigma, "weight": int(ctx.local_count), "n": int(p.shape[0])},
+        sc = self.compressor(x, ctx, state)
+        bits = np.empty(sb.nbytes_for(sc.n), np.uint8)
+        sc.segment(0, sc.n, bits)
+        sigma = sc.finish()
+        return Payload(header={"scale": sigma, "weight": int(ctx.local_count), "n": sc.n},
                        buffers=[bits])
+
+    def compressor(self, x: np.ndarray, ctx: RoundContext, state: Any) -> SignCompressor:
+        """This round's compression, a segment at a time (the ring sends the first segment while
+        the others are packed): see :class:`SignCompressor`."""
+        x = np.ascontiguousarray(x.reshape(-1), np.float32)
+        return SignCompressor(self, x, ctx, self._state(state, int(x.shape[0]), ctx))
+
+    def compensate_early(self, state: Any, ctx: RoundContext) -> bool:
+        """The compensation that needs only this node's p and sigma ("local", "none"), done while
+        the ring waits on the wire; True when :meth:`after_round` has nothing left to do."""
+        comp = self.params["compensation"]
+        if comp == "local" and state is not None:
+            sb.sub_signs(state["p"], state["sigma"], overwrite(state, "c"))
+        return comp != "global"
+
+    @property
+    def needs_result_sum(self) -> bool:
+        """Whether :meth:`after_round` reads the round's sum (so the ring must not hand back the
+        mean in its place)."""
+        return self.params["compensation"] == "global"
+
+    def segment_value(self, scales: list[float], meta: dict[str, float], ctx: RoundContext) -> float:
+        """The v with which a merged segment's signs decode to the round's dense sum, ``v * s``:
+        ``sum_r counts[r] * scale_r`` in rank order in float64 (the same on every node)."""
+        counts = tuple(ctx.counts) if ctx.counts else (1,) * len(scales)
+        v = 0.0
+        for cnt, sc in zip(counts, scales):
+            v += float(cnt) * float(sc)
+        return v
 
     def after_round(self, state: Any, result_sum: np.ndarray, ctx: RoundContext) -> None:
         """Update the compensation from this round's dense sum."""
@@ -164,6 +178,56 @@ class SignRingCodec(Codec):
                   hi: int, w_a: int, w_b: int, seed: int, ctx: RoundContext
                   ) -> tuple[np.ndarray, dict[str, float]]:
         raise NotImplementedError
+
+
+class SignCompressor:
+    """One round's compression for a :class:`SignRingCodec`, in segments: :meth:`segment` writes
+    ``p[lo:hi]`` (momentum and compensation applied) and its sign bits, :meth:`finish` the scale,
+    once every element is done. The scale rule's sums are kept per segment and added in index
+    order, so the scale does not depend on the order the ring asks for segments."""
+
+    def __init__(self, codec: SignRingCodec, x: np.ndarray, ctx: RoundContext, state: dict[str, Any]) -> None:
+        self.codec, self.x, self.ctx, self.state = codec, x, ctx, state
+        self.n = int(x.shape[0])
+        self.inv_w = 1.0 / max(1, int(ctx.local_count))
+        self.rule = codec.params.get("scale", "mean_abs")
+        self.c = peek(state, "c")
+        self.p = overwrite(state, "p")  # written whole: no copy of the last round's p in a StateTxn
+        self.u = state.get("u")
+        self.parts: dict[int, float] = {}
+
+    def segment(self, lo: int, hi: int, bits: np.ndarray) -> None:
+        """Elements ``lo:hi`` (``lo`` a multiple of 8) into ``bits`` (their ``ceil((hi-lo)/8)`` bytes)."""
+        x, c, p, u = self.x[lo:hi], self.c[lo:hi], self.p[lo:hi], self.u
+        mu = self.codec.params["momentum"]
+        if self.rule == "mean_abs":  # the default: one pass over x, c (and u)
+            self.parts[lo] = sb.prepare_pack(x, self.inv_w, c, p, bits, mu, None if u is None else u[lo:hi])
+            return
+        sb.prepare_p(x, self.inv_w, c, p, mu, None if u is None else u[lo:hi])
+        sb.pack_signs(p, bits)
+        if self.rule == "rms":
+            self.parts[lo] = sb.sq_sum(p)
+        elif self.rule == "mean_abs_grad":
+            self.parts[lo] = sb.abs_sum(x)
+
+    def finish(self) -> float:
+        """This node's per-process scale sigma by the ``scale`` rule (kept in the state)."""
+        n = self.n
+        total = 0.0
+        for lo in sorted(self.parts):
+            total += self.parts[lo]
+        if self.rule == "fixed":
+            sigma = self.codec.params["step"]
+        elif n == 0:
+            sigma = 0.0
+        elif self.rule == "rms":
+            sigma = math.sqrt(total / n)
+        elif self.rule == "mean_abs_grad":
+            sigma = total / n / max(1, int(self.ctx.local_count))
+        else:
+            sigma = total / n
+        self.state["sigma"] = float(sigma)
+        return float(sigma)
 
 
 class MarsitCodec(SignRingCodec):

@@ -48,6 +48,15 @@ class SignCascadeCodec(SignRingCodec):
         total = sb.cascade_hop(a, w_a * sigma_a, state["p"][lo:hi], float(w_b), out)
         return out, {"s": total / (hi - lo) / (w_a + w_b) if hi > lo else 0.0}
 
+    def segment_value(self, scales: list[float], meta: dict[str, float], ctx: RoundContext) -> float:
+        """``W * sigma_j`` for segment j (its scale rides in the segment's meta)."""
+        sigma = meta.get("s")
+        if not isinstance(sigma, float):
+            raise ProtocolError(f"{self.name}: tensor {ctx.name!r} round {ctx.round_id}: finished segment "
+                                f"without its scale (meta {meta!r})")
+        total = float(sum(ctx.counts)) if ctx.counts else float(len(scales))
+        return total * sigma
+
     def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any) -> None:
         """Segment j of the dense sum is ``W * sigma_j * s_j`` (W = all processes of the round)."""
         n = out.shape[0]

@@ -41,7 +41,7 @@ from birdnet.kernels.rng import hash64 as _rand
 
 __all__ = [
     "nbytes_for", "pack_signs", "unpack_signs", "unpack_signs_add", "keep_threshold",
-    "bernoulli_mask", "merge_signbits", "prepare_p", "abs_sum", "sq_sum",
+    "bernoulli_mask", "merge_signbits", "prepare_p", "prepare_pack", "abs_sum", "sq_sum",
     "sub_signs", "sub_scaled", "cascade_hop",
 ]
 
@@ -166,6 +166,103 @@ def _prepare_momentum(x, inv_w, mu, u, c, p):
         ui = mu * u[i] + x[i] * inv_w
         u[i] = ui
         p[i] = ui + c[i]
+
+
+@njit(inline="always")
+def _pack_tail_sum(p, bits, start, n, m, s0, s1, s2, s3):
+    # the elements from ``start`` (a multiple of 8) to n: their bits, and |p| into the accumulators
+    # _abs_sum would use (i % 4 below m = n - n % 4, s0 from there)
+    v = np.uint8(0)
+    for i in range(start, n):
+        a = abs(np.float64(p[i]))
+        r = i % 4
+        if i >= m or r == 0:
+            s0 += a
+        elif r == 1:
+            s1 += a
+        elif r == 2:
+            s2 += a
+        else:
+            s3 += a
+        v |= np.uint8(p[i] >= 0) << np.uint8(i - start)
+    if n > start:
+        bits[start // 8] = v
+    return (s0 + s1) + (s2 + s3)
+
+
+# _prepare / _prepare_momentum, _abs_sum and _pack in one pass over memory: the same float32
+# operations and the same four accumulators in the same order, so p, the sum and the bits equal the
+# three kernels' bit for bit (tests/test_signbits.py), and a round reads x, c (and u) once.
+@njit([types.float64(_F4, types.float32, _F4, _F4, _U8), types.float64(_F4R, types.float32, _F4, _F4, _U8)],
+      cache=True, nogil=True)
+def _prepare_pack(x, inv_w, c, p, bits):
+    n = x.shape[0]
+    full = n // 8
+    s0 = s1 = s2 = s3 = 0.0
+    for k in range(full):
+        j = 8 * k
+        for b in range(0, 8, 4):
+            i = j + b
+            q0 = x[i] * inv_w + c[i]
+            q1 = x[i + 1] * inv_w + c[i + 1]
+            q2 = x[i + 2] * inv_w + c[i + 2]
+            q3 = x[i + 3] * inv_w + c[i + 3]
+            p[i] = q0
+            p[i + 1] = q1
+            p[i + 2] = q2
+            p[i + 3] = q3
+            s0 += abs(np.float64(q0))
+            s1 += abs(np.float64(q1))
+            s2 += abs(np.float64(q2))
+            s3 += abs(np.float64(q3))
+        v = np.uint8(0)
+        for b in range(8):
+            v |= np.uint8(p[j + b] >= 0) << np.uint8(b)
+        bits[k] = v
+    for i in range(8 * full, n):
+        p[i] = x[i] * inv_w + c[i]
+    return _pack_tail_sum(p, bits, 8 * full, n, n - n % 4, s0, s1, s2, s3)
+
+
+@njit([types.float64(_F4, types.float32, types.float32, _F4, _F4, _F4, _U8),
+       types.float64(_F4R, types.float32, types.float32, _F4, _F4, _F4, _U8)], cache=True, nogil=True)
+def _prepare_pack_momentum(x, inv_w, mu, u, c, p, bits):
+    n = x.shape[0]
+    full = n // 8
+    s0 = s1 = s2 = s3 = 0.0
+    for k in range(full):
+        j = 8 * k
+        for b in range(0, 8, 4):
+            i = j + b
+            u0 = mu * u[i] + x[i] * inv_w
+            u1 = mu * u[i + 1] + x[i + 1] * inv_w
+            u2 = mu * u[i + 2] + x[i + 2] * inv_w
+            u3 = mu * u[i + 3] + x[i + 3] * inv_w
+            u[i] = u0
+            u[i + 1] = u1
+            u[i + 2] = u2
+            u[i + 3] = u3
+            q0 = u0 + c[i]
+            q1 = u1 + c[i + 1]
+            q2 = u2 + c[i + 2]
+            q3 = u3 + c[i + 3]
+            p[i] = q0
+            p[i + 1] = q1
+            p[i + 2] = q2
+            p[i + 3] = q3
+            s0 += abs(np.float64(q0))
+            s1 += abs(np.float64(q1))
+            s2 += abs(np.float64(q2))
+            s3 += abs(np.float64(q3))
+        v = np.uint8(0)
+        for b in range(8):
+            v |= np.uint8(p[j + b] >= 0) << np.uint8(b)
+        bits[k] = v
+    for i in range(8 * full, n):
+        ui = mu * u[i] + x[i] * inv_w
+        u[i] = ui
+        p[i] = ui + c[i]
+    return _pack_tail_sum(p, bits, 8 * full, n, n - n % 4, s0, s1, s2, s3)
 
 
 @njit([types.float64(_F4), types.float64(_F4R)], cache=True, nogil=True)
@@ -329,6 +426,21 @@ def prepare_p(x: np.ndarray, inv_w: float, c: np.ndarray, p: np.ndarray, momentu
         _f32("u", u, n)
         _prepare_momentum(x, np.float32(inv_w), np.float32(momentum), u, c, p)
     return p
+
+
+def prepare_pack(x: np.ndarray, inv_w: float, c: np.ndarray, p: np.ndarray, bits: np.ndarray,
+                 momentum: float = 0.0, u: np.ndarray | None = None) -> float:
+    """:func:`prepare_p`, then ``pack_signs(p, bits)``, returning ``abs_sum(p)``: one pass, the same
+    results bit for bit."""
+    _f32("x", x)
+    n = x.shape[0]
+    _f32("c", c, n)
+    _f32("p", p, n)
+    _u8("bits", bits, nbytes_for(n), writable=True)
+    if u is None:
+        return float(_prepare_pack(x, np.float32(inv_w), c, p, bits))
+    _f32("u", u, n)
+    return float(_prepare_pack_momentum(x, np.float32(inv_w), np.float32(momentum), u, c, p, bits))
 
 
 def abs_sum(x: np.ndarray) -> float:

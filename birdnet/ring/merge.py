@@ -23,9 +23,12 @@ key         meaning
 ``codec``   codec name (must agree)
 ``n``       tensor length (must agree)
 ``w``       ``mrs`` only: processes the operand stands for (checked against ``ctx.counts``)
-``src``     ``mrs`` only: rank whose scale rides along (the scale of rank (r-s) mod world is sent in
-            step s, so after world-1 steps every rank has every rank's scale: one float per node)
-``scale``   ``mrs`` only: that rank's scale (float64)
+``src``     ``mrs`` steps s >= 1 and ``mag`` step 0: rank whose scale rides along. Rank r sends the
+            scale of rank (r-s+1) mod world in ``mrs`` step s and of rank (r+2) mod world in ``mag``
+            step 0, so after ``mag`` step 0 every rank has every rank's scale (one float per node).
+            Nothing rides in step 0: a node's scale is known only once all its segments are packed,
+            which it does while its first segment travels.
+``scale``   with ``src``: that rank's scale (float64)
 ``meta``    the segment operand's small map of floats (Marsit: empty; signcascade: its scale)
 ``err``     set once a node saw a disagreement; the schedule still completes (nobody hangs) and
             every node raises :class:`~birdnet.errors.RoundMismatchError` at the end
@@ -34,10 +37,11 @@ key         meaning
 Out-of-order steps or segments, wrong buffer sizes and malformed fields raise
 :class:`~birdnet.errors.ProtocolError` immediately (never ``assert`` on network input).
 
-Result: the dense float32 **sum** (``codec.decompress``); for Marsit ``v * s`` with ``s`` the
-merged +-1 vector and ``v = sum_r counts[r] * scale[r]`` accumulated in rank order in float64 and
-rounded once to float32, so every node computes the identical array (the daemon divides by
-``ctx.total_count`` for a mean: ``mean_scale * s``). Flush rounds (``codec.is_flush_round``) are a
+Result: the dense float32 **sum**, ``v * s`` per segment with ``s`` the merged +-1 vector and ``v``
+from ``codec.segment_value`` (Marsit: ``sum_r counts[r] * scale[r]`` accumulated in rank order in
+float64), rounded once to float32, so every node computes the identical array. For a mean the
+daemon passes ``divide_by``: the segment decodes to ``+-(v / total)`` in float32, the same bits as
+dividing the sum afterwards, without another pass over the result. Flush rounds (``codec.is_flush_round``) are a
 full-precision :func:`~birdnet.ring.dense.ring_allreduce` of ``counts[r] * p`` instead.
 """
 from __future__ import annotations
@@ -47,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from birdnet.codecs.base import Payload, RoundContext
+from birdnet.codecs.base import RoundContext
 from birdnet.errors import InputError, ProtocolError, RoundMismatchError
-from birdnet.kernels.signbits import nbytes_for
+from birdnet.kernels.signbits import nbytes_for, unpack_signs
 from birdnet.ring.dense import ring_allreduce, segment_bounds
 from birdnet.ring.transport import OUT_OF_STEP_HINT, Transport
 
@@ -96,9 +100,11 @@ def _check_meta(meta: Any, where: str) -> dict[str, float]:
 
 def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: RoundContext, state: Any, *,
                      timeout: float, out: np.ndarray | None = None,
-                     tag: dict[str, Any] | None = None) -> np.ndarray:
+                     tag: dict[str, Any] | None = None, divide_by: int = 0) -> np.ndarray:
     """All-reduce ``x`` (this node's contribution: float32, the sum of its local processes'
-    gradients) with a MERGED codec; returns the dense float32 sum, bit-identical on every node.
+    gradients) with a MERGED codec; returns the dense float32 sum, bit-identical on every node,
+    or with ``divide_by`` the sum divided by it (the same float32 division the caller would make;
+    only for a codec whose ``after_round`` does not read the sum, ``codec.needs_result_sum``).
 
     ``timeout`` is the longest wait for any one message from the left neighbour. ``state`` is the
     codec's per-(job, tensor) state (compensation, momentum), updated in place (this function calls
@@ -106,6 +112,11 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
     when given (it may be ``x``'s memory: ``x`` is not read after compression). ``tag``:
     fields every node must agree on, carried by every message and compared on arrival (a round
     that started without an agreement); a difference fails the round on every node.
+
+    Where the CPU goes while the wire is busy: the first segment is packed before the first send
+    and the rest while it travels (so this node's scale leaves in step 1, not step 0); the local
+    compensation is updated then too; each finished segment is decoded into ``out`` while the
+    next one travels, once every scale is known (after all-gather step 0).
     """
     if not isinstance(x, np.ndarray) or x.ndim != 1 or x.dtype != np.float32:
         raise InputError(f"tensor {ctx.name!r}: merged all-reduce takes a 1-D float32 vector, got "
@@ -115,10 +126,14 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
     if ctx.rank != r or ctx.world != world:
         raise InputError(f"tensor {ctx.name!r}: context says rank {ctx.rank} of {ctx.world}, transport "
                          f"is rank {r} of {world}")
+    if divide_by and getattr(codec, "needs_result_sum", True):
+        raise InputError(f"codec {codec.name!r} with these parameters needs the round's sum; divide after")
     counts = _counts(ctx, world)
     n = int(x.shape[0])
     if state is None:  # no memory kept between rounds (e.g. a one-off call)
         state = codec.new_state(n)
+    if out is None:
+        out = np.empty(n, np.float32)
 
     if codec.is_flush_round(ctx):
         p = codec.prepare(x, ctx, state)
@@ -126,26 +141,36 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
         total = ring_allreduce(transport, contrib, timeout=timeout, inplace=True,
                                tag={"codec": codec.name, "n": n, "flush": True})
         codec.after_flush(state, total, ctx)
-        if out is not None:
-            np.copyto(out, total)
-            return out
-        return total
+        if divide_by:
+            np.divide(total, np.float32(divide_by), out=total)
+        np.copyto(out, total)
+        return out
 
-    payload = codec.compress(x, ctx, state)
-    own_bits = payload.buffers[0]
-    own_scale = float(payload.header["scale"])
     bounds = merge_bounds(n, world)
     bb = [nbytes_for(b) for b in bounds]  # byte boundaries (bounds are multiples of 8 but the last)
+    own_bits = np.empty(nbytes_for(n), np.uint8)
+    compressor = codec.compressor(x, ctx, state)
+
+    def pack(j: int) -> None:
+        compressor.segment(bounds[j], bounds[j + 1], own_bits[bb[j]:bb[j + 1]])
 
     # Every segment starts as this node's own operand, so that after a disagreement (the received
     # operand ignored) the schedule still has well-formed buffers to forward.
     seg_bits: list[Any] = [own_bits[bb[j]:bb[j + 1]] for j in range(world)]
     seg_meta: list[dict[str, float]] = [{} for _ in range(world)]
-    seg_meta[r] = codec.segment_meta(state, bounds[r], bounds[r + 1], ctx)
     scales: list[float | None] = [None] * world
-    scales[r] = own_scale
+    pack(r)  # the segment sent first
+    seg_meta[r] = codec.segment_meta(state, bounds[r], bounds[r + 1], ctx)
+    compensated = False
     error: str | None = None
     left = (r - 1) % world
+
+    def finish_compress() -> None:
+        nonlocal compensated
+        for k in range(1, world):  # in the order the merges need them
+            pack((r - k) % world)
+        scales[r] = compressor.finish()
+        compensated = codec.compensate_early(state, ctx)
 
     def weight(first: int, hops: int) -> int:
         return sum(counts[(first + i) % world] for i in range(hops))
@@ -181,6 +206,19 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
         header["meta"] = _check_meta(header.get("meta"), where)
         return header, np.frombuffer(bufs[0], dtype=np.uint8)
 
+    def take_scale(h: dict[str, Any], phase: str, step: int, src: int) -> None:
+        """The scale of rank ``src`` that the left neighbour sends in this step."""
+        nonlocal error
+        if not isinstance(h.get("scale"), float):
+            raise ProtocolError(f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent scale "
+                                f"{h.get('scale')!r} (not a float) in {phase} step {step}")
+        if h.get("src") != src:
+            if error is None:
+                error = (f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent the scale of rank "
+                         f"{h.get('src')!r} in {phase} step {step}, rank {r} expects rank {src}")
+            return
+        scales[src] = float(h["scale"])
+
     def send(h: dict[str, Any], buf: Any) -> None:
         h.update({"t": "data", "codec": codec.name, "n": n})
         if tag is not None:
@@ -189,49 +227,70 @@ def merged_allreduce(transport: Transport, codec: Any, x: np.ndarray, ctx: Round
             h["err"] = error
         transport.send(h, [buf])
 
-    # Reduce-scatter: merge bits hop by hop.
+    def with_scale(h: dict[str, Any], src: int) -> dict[str, Any]:
+        sc = scales[src]
+        h.update({"src": src, "scale": sc if sc is not None else 0.0})
+        return h
+
+    if world == 1:
+        finish_compress()
+    # Reduce-scatter: merge bits hop by hop. Scales travel one per step from step 1 (rank r sends
+    # the scale of rank r-s+1) and once more in all-gather step 0 (rank r+2's), so every node has
+    # every node's scale after that step.
     for s in range(world - 1):
         sj = (r - s) % world
-        src = sj  # the scale of rank (r-s) rides along in step s
-        send({"p": "mrs", "s": s, "seg": sj, "w": weight(sj, s + 1), "src": src, "scale": scales[src] if scales[src] is not None else 0.0,
-              "meta": seg_meta[sj]}, seg_bits[sj])
+        h = {"p": "mrs", "s": s, "seg": sj, "w": weight(sj, s + 1), "meta": seg_meta[sj]}
+        send(with_scale(h, (r - s + 1) % world) if s else h, seg_bits[sj])
+        if s == 0:
+            finish_compress()  # while segment r travels
         j = (r - s - 1) % world
         h, a = receive("mrs", s, j)
         if a is None or error:
             continue  # the round has failed: keep the schedule going (own operand) so nobody hangs
+        if s:
+            take_scale(h, "reduce-scatter", s, (r - s) % world)
         w_a = weight(j, s + 1)
-        if not isinstance(h.get("scale"), float):
-            raise ProtocolError(f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent scale "
-                                f"{h.get('scale')!r} (not a float) in reduce-scatter step {s}")
-        if h.get("w") != w_a or h.get("src") != j:
+        if h.get("w") != w_a:
             if error is None:
                 error = (f"tensor {ctx.name!r} round {ctx.round_id}: rank {left} sent segment {j} "
-                         f"standing for w={h.get('w')!r} with the scale of rank {h.get('src')!r}, "
-                         f"rank {r} expects w={w_a} and rank {j} (counts {counts})")
+                         f"standing for w={h.get('w')!r}, rank {r} expects w={w_a} (counts {counts})")
             continue
-        scales[j] = float(h["scale"])
         lo, hi = bounds[j], bounds[j + 1]
         seg_bits[j], seg_meta[j] = codec.merge_hop(a, h["meta"], own_bits[bb[j]:bb[j + 1]], state, lo, hi,
                                                    w_a, counts[r], hop_seed(ctx.local_seed, s), ctx)
 
-    # All-gather: forward finished segments unchanged.
+    pending = [(r + 1) % world]  # finished segments not yet decoded into out
+
+    def decode_pending() -> None:
+        if error or any(sc is None for sc in scales):
+            return
+        for j in pending:
+            lo, hi = bounds[j], bounds[j + 1]
+            if hi > lo:
+                v = np.float32(codec.segment_value(scales, seg_meta[j], ctx))
+                if divide_by:  # the caller's float32 division of +-v, made once: the same bits
+                    v = v / np.float32(divide_by)
+                unpack_signs(np.asarray(seg_bits[j], dtype=np.uint8), float(v), out[lo:hi])
+        pending.clear()
+
+    # All-gather: forward finished segments unchanged; decode each while the next travels.
     for s in range(world - 1):
         sj = (r + 1 - s) % world
-        send({"p": "mag", "s": s, "seg": sj, "meta": seg_meta[sj]}, seg_bits[sj])
+        h = {"p": "mag", "s": s, "seg": sj, "meta": seg_meta[sj]}
+        send(with_scale(h, (r + 2) % world) if s == 0 else h, seg_bits[sj])
+        decode_pending()
         j = (r - s) % world
         h, a = receive("mag", s, j)
         if a is not None:
             seg_bits[j], seg_meta[j] = a, h["meta"]
+            if s == 0 and not error:
+                take_scale(h, "all-gather", s, (r + 1) % world)
+        pending.append(j)
     if error:
         raise RoundMismatchError(error)
     if any(sc is None for sc in scales):
         raise ProtocolError(f"tensor {ctx.name!r} round {ctx.round_id}: missing scales {scales!r}")
-
-    bits = np.concatenate([np.asarray(b, dtype=np.uint8) for b in seg_bits]) if world > 1 else \
-        np.ascontiguousarray(seg_bits[0])
-    merged = Payload(header={"scales": scales, "metas": seg_meta, "bounds": bounds}, buffers=[bits])
-    if out is None:
-        out = np.empty(n, np.float32)
-    codec.decompress(merged, out, ctx, state)
-    codec.after_round(state, out, ctx)
+    decode_pending()
+    if not compensated:
+        codec.after_round(state, out, ctx)
     return out
