@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from birdnet.codecs import RoundContext, get_codec
-from birdnet.errors import CodecError, InputError, ProtocolError, RoundMismatchError
+from birdnet.errors import BirdnetError, CodecError, InputError, ProtocolError, RoundMismatchError
 from birdnet.kernels.signbits import nbytes_for
 from birdnet.ring.merge import merge_bounds, merged_allreduce
 from birdnet.ring.transport import MemoryRing
@@ -248,6 +248,41 @@ def test_a_mean_decoded_in_the_ring_is_the_sum_divided_bit_for_bit(codec_name, p
             np.testing.assert_array_equal(means[r].view(np.uint32), want.view(np.uint32))
             np.testing.assert_array_equal(st_mean[r]["c"].view(np.uint32), st_sum[r]["c"].view(np.uint32))
     assert np.abs(st_sum[0]["c"]).sum() > 0  # the compensation did run
+
+
+@pytest.mark.parametrize("phase,step,field,value,error", [
+    ("mrs", 1, "src", 2, RoundMismatchError), ("mrs", 2, "scale", "1.0", ProtocolError),
+    ("mag", 0, "src", 0, RoundMismatchError), ("mag", 0, "scale", None, ProtocolError)])
+def test_a_scale_sent_for_the_wrong_rank_or_not_a_float_fails_the_round(phase, step, field, value, error):
+    # Scales ride from reduce-scatter step 1 and in all-gather step 0 (4 nodes: every place one
+    # rides); rank 0 tampers with one. Its right neighbour rejects it; no node hangs. A wrong rank
+    # completes the schedule and the error rides on, so every other node fails alike (the error
+    # cannot come back round to the sender in the all-gather). A malformed field fails the
+    # receiver at once; in the daemon the round's abort tells the others, here they time out.
+    world, n = 4, 803
+    codec = get_codec("marsit", **PURE)
+    ring = MemoryRing(world)
+    honest = ring.transports[0].send
+
+    def tampered(header, buffers=()):
+        if header.get("p") == phase and header.get("s") == step:
+            header = {**header, field: value}
+        honest(header, buffers)
+
+    ring.transports[0].send = tampered
+
+    def fn(t):
+        try:
+            return merged_allreduce(t, codec, np.ones(n, np.float32), ctx_for(t.rank, world, n), None, timeout=1.0)
+        except BirdnetError as exc:
+            return exc
+
+    got = ring.run(fn, timeout=30.0)
+    assert isinstance(got[1], error), got[1]
+    assert all(isinstance(g, BirdnetError) for g in got[1:]), got
+    if error is RoundMismatchError:
+        assert all(isinstance(g, RoundMismatchError) for g in got[1:]), got
+        assert "scale of rank" in str(got[1])
 
 
 def test_a_codec_that_needs_the_sum_is_not_handed_the_mean():
