@@ -6,7 +6,7 @@ which is not part of the format):
 =======  ==========================  ===============================================================
 frame    content                     checks on receipt (before anything is allocated or trusted)
 =======  ==========================  ===============================================================
-0        protocol id ``b"birdnet/1"``  exact match, else :class:`VersionMismatchError`
+0        protocol id ``b"birdnet/N"``  exact match (N: PROTOCOL_VERSION), else :class:`VersionMismatchError`
 1        header: a msgpack map        at most ``MAX_HEADER_BYTES``; str keys; ``nbuf`` and ``sizes``
                                      present and consistent with the frames that follow
 2..      raw buffers (``nbuf``)       each frame's length equals ``sizes[i]``; the sum is at most

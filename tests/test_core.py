@@ -11,6 +11,7 @@ from birdnet.hosts import parse_hosts
 from birdnet.ring.dense import CHUNKS_PER_SEGMENT, chunk_elements, ring_allreduce, segment_bounds
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.transport import MemoryRing
+from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
 
 # -- hosts ------------------------------------------------------------------------------------------
@@ -43,11 +44,11 @@ def test_wire_roundtrip_zero_copy_views():
 
 
 @pytest.mark.parametrize("frames,exc,needle", [
-    ([b"birdnet/1"], ProtocolError, "at least 2"),
+    ([PID], ProtocolError, "at least 2"),
     ([b"birdnet/9", b"\x80"], VersionMismatchError, "birdnet/9"),
     ([b"http/1.1", b"\x80"], ProtocolError, "bad protocol id"),
-    ([b"birdnet/1", b"\xc1"], ProtocolError, "msgpack"),
-    ([b"birdnet/1", b"\x93\x01\x02\x03"], ProtocolError, "map"),
+    ([PID, b"\xc1"], ProtocolError, "msgpack"),
+    ([PID, b"\x93\x01\x02\x03"], ProtocolError, "map"),
 ])
 def test_wire_rejects_garbage(frames, exc, needle):
     with pytest.raises(exc, match=needle):
@@ -58,15 +59,15 @@ def test_wire_checks_sizes_before_trusting_them():
     import msgpack
     h = msgpack.packb({"t": "data", "nbuf": 1, "sizes": [10**12]})
     with pytest.raises(ProtocolError, match="exceeds"):
-        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+        wire.decode([PID, h, b"x"], max_bytes=1000)
     h = msgpack.packb({"t": "data", "nbuf": 1, "sizes": [5]})
     with pytest.raises(ProtocolError, match="has 1 bytes"):
-        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+        wire.decode([PID, h, b"x"], max_bytes=1000)
     with pytest.raises(ProtocolError, match="over the"):
-        wire.decode([b"birdnet/1", b"\x00" * (wire.MAX_HEADER_BYTES + 1)], max_bytes=10)
+        wire.decode([PID, b"\x00" * (wire.MAX_HEADER_BYTES + 1)], max_bytes=10)
     h = msgpack.packb({"t": "data", "nbuf": 2, "sizes": [1, 1]})
     with pytest.raises(ProtocolError, match="announces 2"):
-        wire.decode([b"birdnet/1", h, b"x"], max_bytes=1000)
+        wire.decode([PID, h, b"x"], max_bytes=1000)
 
 
 def test_round_keys_split_at_the_last_slash_and_refuse_what_is_not_one():

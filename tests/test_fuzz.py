@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
+from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
 MAX_MESSAGE = 1 << 20  # the fuzzed cluster's --max-message-bytes: oversized frames are cheap to make
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -65,7 +66,7 @@ keys = st.one_of(st.just("default/0"), st.just("default/999999999"), st.just("de
 @st.composite
 def peer_messages(draw):
     kind = draw(st.sampled_from(["bytes", "header", "header", "valid-ping-then", "sizes", "oversized"]))
-    pid = draw(st.sampled_from([b"birdnet/1", b"birdnet/1", b"birdnet/2", b"birdnet/", b"", b"xyz"]))
+    pid = draw(st.sampled_from([PID, PID, b"birdnet/9", b"birdnet/", b"", b"xyz"]))
     if kind == "bytes":
         return draw(st.lists(st.binary(max_size=300), min_size=0, max_size=5))
     t = draw(st.sampled_from(["ping", "pong", "refuse", "start", "go", "abort", "data", "junk", 7, None]))
@@ -79,8 +80,8 @@ def peer_messages(draw):
         # can), then sends rounds that do not exist, with stale or future ids and odd fields
         ping = {"t": "ping", "proto": PROTOCOL_VERSION, "cw": CW, "world": 2, "rank": draw(st.sampled_from([0, 1, 5, -1])),
                 "inc": "fuzz", "lost": draw(st.sampled_from([[], [0], [1], [99], "x"])), "nbuf": 0, "sizes": []}
-        return [[pid, msgpack.packb(ping)], [b"birdnet/1", msgpack.packb({**h, "nbuf": len(bufs),
-                                                                         "sizes": [len(b) for b in bufs]}), *bufs]]
+        return [[pid, msgpack.packb(ping)], [PID, msgpack.packb({**h, "nbuf": len(bufs),
+                                                           "sizes": [len(b) for b in bufs]}), *bufs]]
     if kind == "sizes":
         h["nbuf"] = draw(st.one_of(st.integers(-3, 100), values))
         h["sizes"] = draw(st.one_of(st.lists(st.integers(-5, 2**40), max_size=4), values))
@@ -149,7 +150,7 @@ def client_requests(draw):
                      params=draw(st.one_of(st.dictionaries(st.text(max_size=8), values, max_size=3), values)))
     h.update(draw(st.dictionaries(st.text(max_size=5), values, max_size=2)))
     h["nbuf"], h["sizes"] = 0, []
-    pid = draw(st.sampled_from([b"birdnet/1", b"birdnet/1", b"birdnet/1", b"birdnet/0", b"??"]))
+    pid = draw(st.sampled_from([PID, PID, PID, b"birdnet/0", b"??"]))
     frames = [pid, msgpack.packb(h, use_bin_type=True)]
     if draw(st.integers(0, 9)) == 0:
         frames = draw(st.lists(st.binary(max_size=100), max_size=4))
@@ -175,11 +176,11 @@ def test_fuzz_client_socket(ring):
     def fuzz(who, frames, hello):
         job = f"fz{who}"
         if hello:  # most requests need a session to get past the first check
-            socks[who].send_multipart([b"birdnet/1", msgpack.packb(
+            socks[who].send_multipart([PID, msgpack.packb(
                 {"t": "hello", "proto": PROTOCOL_VERSION, "job": job, "pid": os.getpid(), "nbuf": 0, "sizes": []})])
             socks[who].poll(200)
             _drain(socks[who])
-            socks[who].send_multipart([b"birdnet/1", msgpack.packb(
+            socks[who].send_multipart([PID, msgpack.packb(
                 {"t": "alloc", "slot": 0, "nbytes": 4096, "call": 0, "nbuf": 0, "sizes": []})])
         if frames:
             socks[who].send_multipart(frames)
@@ -188,6 +189,6 @@ def test_fuzz_client_socket(ring):
 
     fuzz()
     for s in socks:
-        s.send_multipart([b"birdnet/1", msgpack.packb({"t": "bye", "nbuf": 0, "sizes": []})])
+        s.send_multipart([PID, msgpack.packb({"t": "bye", "nbuf": 0, "sizes": []})])
         s.close(0)
     _alive_and_working(cl)

@@ -24,6 +24,7 @@ from cluster import LocalCluster, free_ports, wait_warm
 
 from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
+from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,7 +153,7 @@ class Peer:
         if not raw:
             h.setdefault("nbuf", len(bufs))
             h.setdefault("sizes", [len(b) for b in bufs])
-        self.sock.send_multipart([b"birdnet/1", msgpack.packb(h, use_bin_type=True), *bufs])
+        self.sock.send_multipart([PID, msgpack.packb(h, use_bin_type=True), *bufs])
 
     def ping(self, rank: int, world: int = 2, **extra) -> None:
         self.send({"t": "ping", "proto": PROTOCOL_VERSION, "cw": CW, "world": world, "rank": rank,
@@ -254,7 +255,7 @@ def test_oversized_and_wrong_typed_messages(ring, baseline, ctx):
     p.ping(rank=0, inc=["not", "a", "string"])
     p.ping(rank="0")
     q = Peer(ctx, ports[0])
-    q.sock.send_multipart([b"birdnet/1", msgpack.packb({"t": "data", "nbuf": 1, "sizes": [8]}), b"\0" * (MAX_MESSAGE + 1)])
+    q.sock.send_multipart([PID, msgpack.packb({"t": "data", "nbuf": 1, "sizes": [8]}), b"\0" * (MAX_MESSAGE + 1)])
     time.sleep(1.0)
     p.close()
     q.close()

@@ -22,6 +22,7 @@ from cluster import LocalCluster
 from birdnet.codecs import get_codec, names
 from birdnet.config import Settings
 from birdnet.errors import ConfigError
+from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
 
 def test_every_codec_with_kernels_is_warmed_at_start():
@@ -230,7 +231,7 @@ def test_warm_needs_a_session_and_is_bounded(tmp_path):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(f"ipc://{cl.sockets[0]}")
-        s.send_multipart([b"birdnet/1", msgpack.packb({"t": "warm", "call": 1, "codec": "qsgd", "nbuf": 0, "sizes": []})])
+        s.send_multipart([PID, msgpack.packb({"t": "warm", "call": 1, "codec": "qsgd", "nbuf": 0, "sizes": []})])
         assert s.poll(10000)
         reply = msgpack.unpackb(s.recv_multipart()[-1])
         assert reply["t"] == "error" and "hello" in reply["message"], reply
