@@ -10,6 +10,7 @@ peer_timeout's worth the queue for that peer is dropped and the numbering restar
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -83,15 +84,16 @@ class Numbering:
         self._q_from[rank] = lost_between(None, header)[1]
         self._gaps.pop(rank, None)
 
-    def received(self, rank: int, header: dict[str, Any], sender: str) -> str | None:
-        """Note ``header`` from accepted ``rank`` (``sender`` names it); the gap text when messages
-        before it were lost, else None."""
+    def received(self, rank: int, header: dict[str, Any], sender: str | Callable[[], str]) -> str | None:
+        """Note ``header`` from accepted ``rank`` (``sender`` names it, or returns its name: called
+        only for a gap, as this runs for every message); the gap text when messages before it were
+        lost, else None."""
         n, self._q_from[rank] = lost_between(self._q_from.get(rank), header)
         if not n:
             return None
         self.messages_lost += n
         self.lost_from[rank] = self.lost_from.get(rank, 0) + n
-        self._gaps[rank] = lost_text(n, sender)
+        self._gaps[rank] = lost_text(n, sender() if callable(sender) else sender)
         return self._gaps[rank]
 
     def take_gap(self, rank: int) -> str | None:

@@ -611,7 +611,7 @@ class PeerNet:
         r = self.identities.get(identity)
         if r is None:
             return  # not accepted yet: its first ping starts its numbering (_handle_ping)
-        gap = self.numbering.received(r, header, self.membership.describe_peer(self, r, "left"))
+        gap = self.numbering.received(r, header, lambda: self.membership.describe_peer(self, r, "left"))
         if gap:
             log.warning("%s", gap)
 
