@@ -171,6 +171,8 @@ class Connection:
     def check_monitor(self) -> None:
         if self.monitor is None or self.lost:
             return
+        if not self.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            return  # the common case, every call: no event (a failed recv raised zmq.Again, dearer)
         while True:
             try:
                 self.monitor.recv_multipart(zmq.NOBLOCK)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -279,7 +280,7 @@ class RoundRunner:
             return
         d = rnd.desc
         dtype = np.dtype(d["dtype"])
-        n = int(np.prod(d["shape"])) if d["shape"] else 1
+        n = math.prod(d["shape"])
         work_dtype = np.dtype(np.float32) if dtype == np.float16 else dtype
         parts = sorted(rnd.parts, key=lambda p: p.local_index)
         # Local reduction, in local-rank order (a fixed order keeps nodes identical run to run).

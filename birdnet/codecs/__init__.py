@@ -44,15 +44,24 @@ def names() -> list[str]:
     return sorted(_MODULES)
 
 
+#: codec classes loaded so far: the daemon looks one up for every submitted call, and importlib's
+#: way to a module already imported costs more than the rest of the lookup
+_loaded: dict[str, type[Codec]] = {}
+
+
 def codec_class(name: str) -> type[Codec]:
+    cls = _loaded.get(name)
+    if cls is not None:
+        return cls
     target = _MODULES.get(name)
     if target is None:
         raise CodecError(f"unknown codec {name!r}; choose one of: {', '.join(names())}")
-    module, cls = target.split(":")
+    module, attr = target.split(":")
     try:
-        return getattr(importlib.import_module(module), cls)
+        cls = _loaded[name] = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:  # a codec not built yet is an error, not a crash
         raise CodecError(f"codec {name!r} is registered but cannot be loaded: {exc}") from exc
+    return cls
 
 
 def get_codec(name: str, **params: Any) -> Codec:
