@@ -84,16 +84,15 @@ class Numbering:
         self._q_from[rank] = lost_between(None, header)[1]
         self._gaps.pop(rank, None)
 
-    def received(self, rank: int, header: dict[str, Any], sender: str | Callable[[], str]) -> str | None:
-        """Note ``header`` from accepted ``rank`` (``sender`` names it, or returns its name: called
-        only for a gap, as this runs for every message); the gap text when messages before it were
-        lost, else None."""
+    def received(self, rank: int, header: dict[str, Any], sender: Callable[[], str]) -> str | None:
+        """Note ``header`` from accepted ``rank`` (``sender()`` names it: called only for a gap, as
+        this runs for every message); the gap text when messages before it were lost, else None."""
         n, self._q_from[rank] = lost_between(self._q_from.get(rank), header)
         if not n:
             return None
         self.messages_lost += n
         self.lost_from[rank] = self.lost_from.get(rank, 0) + n
-        self._gaps[rank] = lost_text(n, sender() if callable(sender) else sender)
+        self._gaps[rank] = lost_text(n, sender())
         return self._gaps[rank]
 
     def take_gap(self, rank: int) -> str | None:

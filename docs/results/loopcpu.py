@@ -93,11 +93,16 @@ def main() -> int:
         print(f"{n:>10,} birdnet {row['birdnet_ms']:7.1f} ms (client {row['client_ms']:.1f}, main {row['main_ms']:.1f}, "
               f"ring {row['ring_ms']:.1f}, ZeroMQ I/O {row['zmq_io_ms']:.1f}) Gloo {row['gloo_ms']:7.1f} ms: "
               f"{row['ratio']:.2f}x", file=sys.stderr)
+    dump(rows)
+    return 0
+
+
+def dump(rows: list[dict]) -> None:
+    """The rows as JSON on stdout, with the machine and the time (rawring.py's too)."""
     json.dump({"meta": {"nodes": NODES, "machine": os.uname().machine, "cpus": os.cpu_count(),
                         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, "rows": rows},
               sys.stdout, indent=1)
     print()
-    return 0
 
 
 if __name__ == "__main__":

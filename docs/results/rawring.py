@@ -13,7 +13,6 @@ all its threads), summed, against 4 Gloo ranks doing the same sizes back to back
 (docs/results/loopcpu.py's way). A measuring tool, not part of birdnet.
 """
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -25,17 +24,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loopcpu import gloo  # noqa: E402
+from loopcpu import dump, gloo  # noqa: E402
+
+from birdnet.ring.dense import segment_bounds  # noqa: E402
 
 NODES = 4
-
-
-def bounds(n: int, world: int) -> list[int]:
-    base, extra = divmod(n, world)
-    out = [0]
-    for i in range(world):
-        out.append(out[-1] + base + (1 if i < extra else 0))
-    return out
 
 
 def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
@@ -78,7 +71,7 @@ def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -
     res = {}
     for n, k in zip(sizes, calls):
         x = np.zeros(n, np.float32)  # sums of zeros stay finite over hundreds of calls; adds cost the same
-        b = bounds(n, world)
+        b = segment_bounds(n, world)
         tmp = np.empty(b[1] - b[0] + 1, np.float32)
 
         def allreduce(x: np.ndarray = x, b: list[int] = b, tmp: np.ndarray = tmp) -> None:
@@ -141,10 +134,7 @@ def main() -> int:
         rows.append(row)
         print(f"{n:>10,} plain-socket ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}) Gloo "
               f"{row['gloo_ms']:7.1f} ms: {row['ratio']:.2f}x", file=sys.stderr)
-    json.dump({"meta": {"nodes": NODES, "machine": os.uname().machine, "cpus": os.cpu_count(),
-                        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}, "rows": rows},
-              sys.stdout, indent=1)
-    print()
+    dump(rows)
     return 0
 
 
