@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any
 
 import msgpack
@@ -142,7 +143,8 @@ def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], li
                                  max_bin_len=MAX_HEADER_BYTES)
     except Exception as exc:  # msgpack raises several types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+    # map() runs isinstance without a Python frame per key: this runs for every peer message
+    if not isinstance(header, dict) or not all(map(isinstance, header, repeat(str))):
         raise ProtocolError("header is not a map with string keys")
     nbuf, sizes = header.get("nbuf"), header.get("sizes")
     if not isinstance(nbuf, int) or not isinstance(sizes, list) or len(sizes) != nbuf:

@@ -38,8 +38,9 @@ class Numbering:
     def __init__(self, peer_timeout: float, heartbeat_interval: float) -> None:
         self.sent_q_to: dict[int, int] = {}  #: rank -> the number of the last message to it
         self._q_from: dict[int, int | None] = {}  #: the last ``q`` from each accepted sender
-        #: per sending rank, why the round that next waits for it must fail (take_gap)
-        self._gaps: dict[int, str] = {}
+        #: per sending rank, why the round that next waits for it must fail (take_gap). Never
+        #: rebound: a reader may keep it and test it before calling take_gap (RoundTransport)
+        self.gaps: dict[int, str] = {}
         self.messages_lost = 0  #: messages lost on broken connections, for status
         self.lost_from: dict[int, int] = {}  #: messages lost per sending rank, for metrics
         #: rank -> pings sent since its last pong or refusal, and the most kept queued (count_ping)
@@ -82,7 +83,7 @@ class Numbering:
         """A new connection of ``rank`` was accepted at ``header`` (its first ping): its numbering
         starts there, and a gap of its old connection is forgotten."""
         self._q_from[rank] = lost_between(None, header)[1]
-        self._gaps.pop(rank, None)
+        self.gaps.pop(rank, None)
 
     def received(self, rank: int, header: dict[str, Any], sender: Callable[[], str]) -> str | None:
         """Note ``header`` from accepted ``rank`` (``sender()`` names it: called only for a gap, as
@@ -92,10 +93,10 @@ class Numbering:
             return None
         self.messages_lost += n
         self.lost_from[rank] = self.lost_from.get(rank, 0) + n
-        self._gaps[rank] = lost_text(n, sender())
-        return self._gaps[rank]
+        self.gaps[rank] = lost_text(n, sender())
+        return self.gaps[rank]
 
     def take_gap(self, rank: int) -> str | None:
         """Why a wait for ``rank`` must give up (messages from it were lost since the last wait for
         it), once; else None."""
-        return self._gaps.pop(rank, None)
+        return self.gaps.pop(rank, None)

@@ -135,6 +135,8 @@ class PeerNet:
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         #: every message is numbered per destination; gaps per sender (numbering.py)
         self.numbering = Numbering(settings.peer_timeout, settings.heartbeat_interval)
+        #: senders whose lost messages a round has not taken yet (Numbering.gaps; empty as a rule)
+        self.gaps = self.numbering.gaps
         #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
         #: that finished a lane round goes on to the next at once. Their messages wait here.
         self.lane_keys: tuple[str, ...] = ()

@@ -168,6 +168,7 @@ class _StubNet:
         self.bytes_received = self.bytes_sent = 0
         self.reading = None
         self.settings = Settings(round_timeout=1.0)
+        self.gaps = {}  # no message lost (PeerNet.gaps)
 
     def lost(self):
         return set()
