@@ -81,6 +81,7 @@ class _NetStandIn:
         self.bytes_sent = self.bytes_received = 0
         self.worker_ref, self.go = worker_ref, go
         self.sent, self.polls_while_queued = [], 0
+        self.gaps = {}  # no message lost (PeerNet.gaps)
 
     def lost(self):
         return set()
