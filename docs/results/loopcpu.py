@@ -10,7 +10,9 @@ reads every daemon thread's CPU time from /proc (birdnet.bench.allreduce.thread_
 processes' own CPU (the hand-off), and prints per round, summed over the 4 nodes, in ms. Then 4
 torch.distributed/Gloo ranks (birdnet.bench.gloo_worker) do the same sizes GLOO_CALLS times back to
 back; their processes' CPU per call, summed. Far more calls than ``birdnet bench allreduce``'s 7:
-on this 2-core VM Gloo's CPU over 7 calls varied 1.5-2.4x between runs of the same code. A
+on this 2-core VM Gloo's CPU over 7 calls varied 1.5-2.4x between runs of the same code. With
+``--buffer`` the calls pass a ``client.buffer`` array, filled once: no copy into shared memory, as
+Gloo reduces its tensor in place (the round's result is written back into the buffer). A
 measuring tool, not part of birdnet.
 """
 import argparse
@@ -31,13 +33,17 @@ from birdnet.bench.cluster import LocalCluster, free_ports
 NODES = 4
 
 
-def worker(sock, node, local, sizes, calls, pids):
+def worker(sock, node, local, sizes, calls, pids, buffer=False):
     from birdnet.client import Client
 
     c = Client(sock)
     out = {}
     for n, k in zip(sizes, calls):
         g = np.random.default_rng(node).standard_normal(n).astype(np.float32)
+        if buffer:  # a client.buffer array, not refilled: no hand-off copy (Gloo's tensor is reduced in place too)
+            b = c.buffer(n)
+            b[:] = g
+            g = b
         for _ in range(5):
             c.allreduce(g, name=f"g{n}")
         c.barrier()
@@ -72,17 +78,19 @@ def main() -> int:
     p.add_argument("--sizes", default="100000,1000000,11689512")
     p.add_argument("--calls", default="1500,400,60", help="timed birdnet calls per size")
     p.add_argument("--gloo-calls", type=int, default=100)
+    p.add_argument("--buffer", action="store_true",
+                   help="call with a client.buffer array (never refilled) instead of the process's own array")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
     calls = [int(x) for x in a.calls.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         with LocalCluster(NODES, Path(tmp), peer_timeout=30, heartbeat_interval=1.0) as cl:
             pids = [pr.pid for pr in cl.procs]
-            per_node = cl.run(worker, sizes, calls, pids, per_node=1, timeout=3600)
+            per_node = cl.run(worker, sizes, calls, pids, a.buffer, per_node=1, timeout=3600)
     g = gloo(sizes, a.gloo_calls)
     rows = []
     for n in sizes:
-        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls,
+        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "buffer": a.buffer,
                "wall_ms": statistics.median(pn[n]["wall"] for pn in per_node) * 1e3}
         for kind in ("client", "main", "ring", "zmq_io", "other"):
             row[f"{kind}_ms"] = sum(pn[n].get(kind, 0.0) for pn in per_node) * 1e3
