@@ -8,8 +8,13 @@ message per step) over plain TCP sockets, no ZeroMQ: the main thread receives ea
 into its destination with ``recv_into(..., MSG_WAITALL)`` (an all-gather segment lands in the
 result, no copy) and adds; a sender thread writes to the right neighbour with ``sendall``. No
 headers, no checks, no hand-off from a training process: a floor for what a Python data path on its
-own sockets costs, not something to ship. Prints each process's CPU per call (time.process_time,
-all its threads), summed, against 4 Gloo ranks doing the same sizes back to back
+own sockets costs, not something to ship. With ``--zmq`` the same schedule runs over a ZeroMQ
+PUSH/PULL pair per link and moves data as birdnet's ring does (daemon/links.py, birdnet/ring/dense.py):
+messages up to 1 MiB copied into ZeroMQ, larger ones zero-copy with a tracker waited for at the end
+of the call; a received frame summed in place and sent on as it is; an all-gather segment copied
+from its frame into the result. That is ZeroMQ's own cost, without birdnet's headers, checks, poll
+loop and hand-off. Prints each process's CPU per call (time.process_time, all its threads, ZeroMQ's
+I/O thread too), summed, against 4 Gloo ranks doing the same sizes back to back
 (docs/results/loopcpu.py's way). A measuring tool, not part of birdnet.
 """
 import argparse
@@ -29,6 +34,79 @@ from loopcpu import dump, gloo  # noqa: E402
 from birdnet.ring.dense import segment_bounds  # noqa: E402
 
 NODES = 4
+
+
+def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
+    """rank_main's schedule over ZeroMQ, moving data as birdnet does (the module's docstring)."""
+    import zmq
+
+    world = len(ports)
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+    pull.setsockopt(zmq.RCVTIMEO, 120_000)  # a lost neighbour ends the run with zmq.Again, never a hang
+    pull.bind(f"tcp://127.0.0.1:{ports[r]}")
+    push.connect(f"tcp://127.0.0.1:{ports[(r + 1) % world]}")
+    copy_below = 1 << 20  # daemon/links.py COPY_BELOW
+    trackers = []
+
+    def send(buf) -> None:
+        if isinstance(buf, zmq.Frame):
+            push.send(buf, copy=False)  # a received frame goes on as it is
+            return
+        big = buf.nbytes > copy_below
+        t = push.send(buf, copy=not big, track=big)
+        if big:
+            trackers.append(t)
+
+    def recv() -> tuple[zmq.Frame, np.ndarray]:
+        f = pull.recv(copy=False)
+        return f, np.frombuffer(f.buffer, np.float32)
+
+    # every rank sends first: all connections are up before the first call's data
+    push.send(b"hello")
+    pull.recv()
+    res = {}
+    for n, k in zip(sizes, calls):
+        x = np.zeros(n, np.float32)
+        b = segment_bounds(n, world)
+
+        def allreduce(x: np.ndarray = x, b: list[int] = b) -> None:
+            send(x[b[r]:b[r + 1]])
+            for s in range(world - 1):
+                seg = (r - s - 1) % world
+                f, part = recv()
+                if s < world - 2:
+                    np.add(part, x[b[seg]:b[seg + 1]], out=part)
+                    send(f)
+                else:
+                    x[b[seg]:b[seg + 1]] += part
+                    send(x[b[seg]:b[seg + 1]])
+            for s in range(world - 1):
+                seg = (r - s) % world
+                f, part = recv()
+                x[b[seg]:b[seg + 1]] = part
+                if s < world - 2:
+                    send(f)
+            for t in trackers:
+                t.wait()
+            trackers.clear()
+
+        for _ in range(5):
+            allreduce()
+        c0, w0 = time.process_time(), time.monotonic()
+        for _ in range(k):
+            allreduce()
+        res[n] = {"cpu": (time.process_time() - c0) / k, "wall": (time.monotonic() - w0) / k}
+    push.send(b"bye")  # the left neighbour's last message may still be in flight: wait for it
+    pull.recv()
+    pull.close()
+    push.close(linger=10_000)  # LINGER 0 could drop our bye before the right neighbour has it
+    ctx.term()
+    q.put((r, res))
 
 
 def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
@@ -108,6 +186,7 @@ def main() -> int:
     p.add_argument("--sizes", default="100000,1000000,11689512")
     p.add_argument("--calls", default="400,400,60")
     p.add_argument("--gloo-calls", type=int, default=100)
+    p.add_argument("--zmq", action="store_true", help="the same schedule over ZeroMQ, as birdnet moves data")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
     calls = [int(x) for x in a.calls.split(",")]
@@ -116,7 +195,8 @@ def main() -> int:
     ports = free_ports(NODES)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, ports, sizes, calls, q)) for r in range(NODES)]
+    target = zmq_rank_main if a.zmq else rank_main
+    procs = [ctx.Process(target=target, args=(r, ports, sizes, calls, q)) for r in range(NODES)]
     for pr in procs:
         pr.start()
     got = dict(q.get(timeout=3600) for _ in procs)
@@ -127,12 +207,12 @@ def main() -> int:
     g = gloo(sizes, a.gloo_calls)
     rows = []
     for n in sizes:
-        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls,
+        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "zmq": a.zmq,
                "raw_ms": sum(got[r][n]["cpu"] for r in got) * 1e3,
                "wall_ms": max(got[r][n]["wall"] for r in got) * 1e3, "gloo_ms": g[n] * 1e3}
         row["ratio"] = row["raw_ms"] / row["gloo_ms"]
         rows.append(row)
-        print(f"{n:>10,} plain-socket ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}) Gloo "
+        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}) Gloo "
               f"{row['gloo_ms']:7.1f} ms: {row['ratio']:.2f}x", file=sys.stderr)
     dump(rows)
     return 0
