@@ -12,9 +12,10 @@ own sockets costs, not something to ship. With ``--zmq`` the same schedule runs 
 PUSH/PULL pair per link and moves data as birdnet's ring does (daemon/links.py, birdnet/ring/dense.py):
 messages up to 1 MiB copied into ZeroMQ, larger ones zero-copy with a tracker waited for at the end
 of the call; a received frame summed in place and sent on as it is; an all-gather segment copied
-from its frame into the result. That is ZeroMQ's own cost, without birdnet's headers, checks, poll
+from its frame into the result; glibc's malloc told to keep freed buffers, as the daemon does
+(birdnet.osutil.keep_freed_buffers). That is ZeroMQ's own cost, without birdnet's headers, checks, poll
 loop and hand-off. Prints each process's CPU per call (time.process_time, all its threads, ZeroMQ's
-I/O thread too), summed, against 4 Gloo ranks doing the same sizes back to back
+I/O thread too), summed and by thread, against 4 Gloo ranks doing the same sizes back to back
 (docs/results/loopcpu.py's way). A measuring tool, not part of birdnet.
 """
 import argparse
@@ -31,9 +32,25 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loopcpu import dump, gloo  # noqa: E402
 
+from birdnet.bench.allreduce import thread_cpu_seconds  # noqa: E402
 from birdnet.ring.dense import segment_bounds  # noqa: E402
 
 NODES = 4
+
+
+def timed(allreduce, k: int) -> dict:
+    """CPU and wall time per call over ``k`` calls after 5 warm-ups; the CPU also by thread: ``main``
+    (the ring's own thread), ``zmq_io`` (ZeroMQ's I/O thread), ``other`` (the plain ring's sender
+    thread; pyzmq's tracker thread)."""
+    for _ in range(5):
+        allreduce()
+    t0 = thread_cpu_seconds(os.getpid())
+    c0, w0 = time.process_time(), time.monotonic()
+    for _ in range(k):
+        allreduce()
+    cpu, wall = (time.process_time() - c0) / k, (time.monotonic() - w0) / k
+    t1 = thread_cpu_seconds(os.getpid())
+    return {"cpu": cpu, "wall": wall, "threads": {t: (t1[t] - t0.get(t, 0.0)) / k for t in t1}}
 
 
 def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
@@ -41,6 +58,11 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
     import zmq
 
     world = len(ports)
+    # as the daemon does at start (daemon/main.py): ZeroMQ allocates every received message, and
+    # with glibc's defaults the freed memory is handed back and page-faulted in again on every call
+    from birdnet.osutil import keep_freed_buffers
+
+    keep_freed_buffers(max(-(-n // world) for n in sizes) * 4)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (pull, push):
@@ -95,12 +117,7 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
                 t.wait()
             trackers.clear()
 
-        for _ in range(5):
-            allreduce()
-        c0, w0 = time.process_time(), time.monotonic()
-        for _ in range(k):
-            allreduce()
-        res[n] = {"cpu": (time.process_time() - c0) / k, "wall": (time.monotonic() - w0) / k}
+        res[n] = timed(allreduce, k)
     push.send(b"bye")  # the left neighbour's last message may still be in flight: wait for it
     pull.recv()
     pull.close()
@@ -170,12 +187,7 @@ def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -
                     outq.put(seg_of(seg))
             outq.join()
 
-        for _ in range(5):
-            allreduce()
-        c0, w0 = time.process_time(), time.monotonic()
-        for _ in range(k):
-            allreduce()
-        res[n] = {"cpu": (time.process_time() - c0) / k, "wall": (time.monotonic() - w0) / k}
+        res[n] = timed(allreduce, k)
     outq.put(None)
     th.join()
     q.put((r, res))
@@ -211,8 +223,11 @@ def main() -> int:
                "raw_ms": sum(got[r][n]["cpu"] for r in got) * 1e3,
                "wall_ms": max(got[r][n]["wall"] for r in got) * 1e3, "gloo_ms": g[n] * 1e3}
         row["ratio"] = row["raw_ms"] / row["gloo_ms"]
+        for t in ("main", "zmq_io", "other"):
+            row[f"{t}_ms"] = sum(got[r][n]["threads"].get(t, 0.0) for r in got) * 1e3
         rows.append(row)
-        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}) Gloo "
+        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}; "
+              f"ring thread {row['main_ms']:.1f}, ZeroMQ I/O {row['zmq_io_ms']:.1f}, other {row['other_ms']:.1f}) Gloo "
               f"{row['gloo_ms']:7.1f} ms: {row['ratio']:.2f}x", file=sys.stderr)
     dump(rows)
     return 0
