@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loopcpu import dump, gloo  # noqa: E402
 
 from birdnet.bench.allreduce import thread_cpu_seconds  # noqa: E402
+from birdnet.osutil import keep_freed_buffers  # noqa: E402
 from birdnet.ring.dense import segment_bounds  # noqa: E402
 
 NODES = 4
@@ -60,8 +61,6 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
     world = len(ports)
     # as the daemon does at start (daemon/main.py): ZeroMQ allocates every received message, and
     # with glibc's defaults the freed memory is handed back and page-faulted in again on every call
-    from birdnet.osutil import keep_freed_buffers
-
     keep_freed_buffers(max(-(-n // world) for n in sizes) * 4)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
