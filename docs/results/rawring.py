@@ -125,7 +125,7 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
     q.put((r, res))
 
 
-def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
+def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q, handoff: bool = False) -> None:
     world = len(ports)
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -167,8 +167,12 @@ def rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -
         x = np.zeros(n, np.float32)  # sums of zeros stay finite over hundreds of calls; adds cost the same
         b = segment_bounds(n, world)
         tmp = np.empty(b[1] - b[0] + 1, np.float32)
+        user = np.zeros(n, np.float32) if handoff else None
 
-        def allreduce(x: np.ndarray = x, b: list[int] = b, tmp: np.ndarray = tmp) -> None:
+        def allreduce(x: np.ndarray = x, b: list[int] = b, tmp: np.ndarray = tmp, user=user) -> None:
+            if user is not None:
+                np.copyto(x, user)  # the hand-off: a training process's array into the daemon's memory
+
             def seg_of(i: int) -> memoryview:
                 return memoryview(x[b[i]:b[i + 1]]).cast("B")
 
@@ -198,6 +202,9 @@ def main() -> int:
     p.add_argument("--calls", default="400,400,60")
     p.add_argument("--gloo-calls", type=int, default=100)
     p.add_argument("--zmq", action="store_true", help="the same schedule over ZeroMQ, as birdnet moves data")
+    p.add_argument("--handoff", action="store_true",
+                   help="plain sockets only: each call first copies the process's own array into the ring's, "
+                        "as birdnet's client copies it into shared memory")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
     calls = [int(x) for x in a.calls.split(",")]
@@ -206,8 +213,12 @@ def main() -> int:
     ports = free_ports(NODES)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    target = zmq_rank_main if a.zmq else rank_main
-    procs = [ctx.Process(target=target, args=(r, ports, sizes, calls, q)) for r in range(NODES)]
+    if a.zmq and a.handoff:
+        p.error("--handoff is for the plain-socket ring")
+    if a.zmq:
+        procs = [ctx.Process(target=zmq_rank_main, args=(r, ports, sizes, calls, q)) for r in range(NODES)]
+    else:
+        procs = [ctx.Process(target=rank_main, args=(r, ports, sizes, calls, q, a.handoff)) for r in range(NODES)]
     for pr in procs:
         pr.start()
     got = dict(q.get(timeout=3600) for _ in procs)
@@ -218,14 +229,14 @@ def main() -> int:
     g = gloo(sizes, a.gloo_calls)
     rows = []
     for n in sizes:
-        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "zmq": a.zmq,
+        row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "zmq": a.zmq, "handoff": a.handoff,
                "raw_ms": sum(got[r][n]["cpu"] for r in got) * 1e3,
                "wall_ms": max(got[r][n]["wall"] for r in got) * 1e3, "gloo_ms": g[n] * 1e3}
         row["ratio"] = row["raw_ms"] / row["gloo_ms"]
         for t in ("main", "zmq_io", "other"):
             row[f"{t}_ms"] = sum(got[r][n]["threads"].get(t, 0.0) for r in got) * 1e3
         rows.append(row)
-        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}; "
+        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring{' + hand-off' if a.handoff else ''} {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}; "
               f"ring thread {row['main_ms']:.1f}, ZeroMQ I/O {row['zmq_io_ms']:.1f}, other {row['other_ms']:.1f}) Gloo "
               f"{row['gloo_ms']:7.1f} ms: {row['ratio']:.2f}x", file=sys.stderr)
     dump(rows)
