@@ -1,14 +1,17 @@
 """What a ring over plain TCP sockets costs in CPU, against Gloo (docs/benchmarks.md, "Where a dense
 round's CPU goes").
 
-    python docs/results/rawring.py --sizes 100000,1000000,11689512 --calls 400,400,60 --gloo-calls 100 > OUT.json
+    python docs/results/rawring.py [--handoff | --zmq] --sizes 100000,1000000,11689512 --calls 400,400,60 --gloo-calls 100 > OUT.json
 
 4 processes on loopback run birdnet's dense ring schedule (reduce-scatter, then all-gather, one
 message per step) over plain TCP sockets, no ZeroMQ: the main thread receives each message straight
 into its destination with ``recv_into(..., MSG_WAITALL)`` (an all-gather segment lands in the
 result, no copy) and adds; a sender thread writes to the right neighbour with ``sendall``. No
 headers, no checks, no hand-off from a training process: a floor for what a Python data path on its
-own sockets costs, not something to ship. With ``--zmq`` the same schedule runs over a ZeroMQ
+own sockets costs, not something to ship. With ``--handoff`` each call first copies the process's own
+array into the ring's memory, the one copy a daemon in another process needs (birdnet's client copies
+it into shared memory; Gloo reduces the tensor in place): the floor for a separate daemon fed the
+process's own arrays. With ``--zmq`` the same schedule runs over a ZeroMQ
 PUSH/PULL pair per link and moves data as birdnet's ring does (daemon/links.py, birdnet/ring/dense.py):
 messages up to 1 MiB copied into ZeroMQ, larger ones zero-copy with a tracker waited for at the end
 of the call; a received frame summed in place and sent on as it is; an all-gather segment copied
