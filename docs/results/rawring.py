@@ -11,8 +11,8 @@ headers, no checks, no hand-off from a training process: a floor for what a Pyth
 own sockets costs, not something to ship. With ``--handoff`` each call first copies the process's own
 array into the ring's memory, the one copy a daemon in another process needs (birdnet's client copies
 it into shared memory; Gloo reduces the tensor in place): the floor for a separate daemon fed the
-process's own arrays. With ``--zmq`` the same schedule runs over a ZeroMQ
-PUSH/PULL pair per link and moves data as birdnet's ring does (daemon/links.py, birdnet/ring/dense.py):
+process's own arrays. With ``--zmq`` the same schedule runs over a ZeroMQ PUSH/PULL pair per link
+and moves data as birdnet's ring does (daemon/links.py, birdnet/ring/dense.py):
 messages up to 1 MiB copied into ZeroMQ, larger ones zero-copy with a tracker waited for at the end
 of the call; a received frame summed in place and sent on as it is; an all-gather segment copied
 from its frame into the result; glibc's malloc told to keep freed buffers, as the daemon does
@@ -218,10 +218,8 @@ def main() -> int:
     q = ctx.Queue()
     if a.zmq and a.handoff:
         p.error("--handoff is for the plain-socket ring")
-    if a.zmq:
-        procs = [ctx.Process(target=zmq_rank_main, args=(r, ports, sizes, calls, q)) for r in range(NODES)]
-    else:
-        procs = [ctx.Process(target=rank_main, args=(r, ports, sizes, calls, q, a.handoff)) for r in range(NODES)]
+    target, extra = (zmq_rank_main, ()) if a.zmq else (rank_main, (a.handoff,))
+    procs = [ctx.Process(target=target, args=(r, ports, sizes, calls, q, *extra)) for r in range(NODES)]
     for pr in procs:
         pr.start()
     got = dict(q.get(timeout=3600) for _ in procs)
