@@ -1,7 +1,7 @@
 """Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "The 8-node 1M gap at 1 Gbit/s").
 
-    python docs/results/threadcpu.py --nodes 8 --calls 200 --rate 1gbit > OUT.json
-    python docs/results/threadcpu.py --nodes 4 --calls 20 --size 11689512 --chunk-bytes 4194304 > OUT.json
+    python -m birdnet.bench.tools.threadcpu --nodes 8 --calls 200 --rate 1gbit > OUT.json
+    python -m birdnet.bench.tools.threadcpu --nodes 4 --calls 20 --size 11689512 --chunk-bytes 4194304 > OUT.json
 
 Starts NODES daemons, each in its own network namespace with a token-bucket link (root), one
 process per node, and times CALLS back-to-back dense all-reduces of 1,000,000 float32 in shared

@@ -1,5 +1,4 @@
-"""BIRD+ shared-mode designs, simulated (a copy of /work/shared/experiments/convergence_sim.py's
-setting: MNIST-1D, MLP 2x512, batch 32 per worker, 15 epochs, momentum 0.9, lr 0.05, tensors < 1024
+"""BIRD+ shared-mode designs, simulated (the setting of birdnet.bench.tools.sim: MNIST-1D, MLP 2x512, batch 32 per worker, 15 epochs, momentum 0.9, lr 0.05, tensors < 1024
 dense, density 0.01, blocks of 8).
 
 --sel local      each worker selects from its own accumulator (gathered, birdplus local mode)
@@ -17,8 +16,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, "/work/shared/experiments")
-from convergence_sim import MLP, load  # noqa: E402
+from birdnet.bench.tools.sim import MLP, load  # noqa: E402
 
 
 def block_norms(f, b):

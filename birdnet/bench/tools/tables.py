@@ -1,5 +1,5 @@
 """Markdown tables for docs/benchmarks.md from the JSON that `birdnet bench allreduce --json` and
-`birdnet bench train --json` write: `python docs/results/tables.py ar|time|loop|train FILE.json`."""
+`birdnet bench train --json` write: `python -m birdnet.bench.tools.tables ar|time|loop|train FILE.json`."""
 import json
 import sys
 

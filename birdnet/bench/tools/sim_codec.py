@@ -8,7 +8,7 @@ payload in rank order) and divides by W, as the daemon's mean does. Tensors unde
 go dense with the optimizer's momentum, as with the daemons' dense_threshold. The ring adds in
 another order, so single runs differ from the daemons' in the last bits, not in what they say.
 
-    python docs/research/sim_codec.py --workers 4 --seeds 0,1,2 \
+    python -m birdnet.bench.tools.sim_codec --workers 4 --seeds 0,1,2 \
         --codec birdplus --params density=0.01,momentum=0.9,mode=shared
 
 ``--codec oracle --params density=D[,gamma=16][,norms=...]`` selects from every node's whole

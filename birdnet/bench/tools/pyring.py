@@ -1,7 +1,7 @@
 """How far a Python ring over ZeroMQ can go on this machine (docs/benchmarks.md, "What a bare Python ring
 does here").
 
-    python docs/results/pyring.py --nodes 8 --calls 200 --size 1000000 > OUT.json
+    python -m birdnet.bench.tools.pyring --nodes 8 --calls 200 --size 1000000 > OUT.json
 
 In one run, on the same network namespaces and token-bucket links (root), times CALLS back-to-back
 all-reduces of SIZE float32 after 5 warm-up calls, three ways:

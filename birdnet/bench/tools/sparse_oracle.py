@@ -1,10 +1,10 @@
 """How close can a sparsifier at a given density come to dense AdamW on the ``lm`` task?
 (docs/adapters.md, "Where the transformer's gap came from"; docs/benchmarks.md)
 
-    python docs/results/sparse_oracle.py --mode dense --seed 0
-    python docs/results/sparse_oracle.py --mode codec --codec birdplus:density=0.01:cap=30 --seed 0
-    python docs/results/sparse_oracle.py --mode oracle --density 0.04 --seed 0
-    python docs/results/sparse_oracle.py --mode oracle --density 0.01 --sample-gamma 16 --cap 10 --seed 0
+    python -m birdnet.bench.tools.sparse_oracle --mode dense --seed 0
+    python -m birdnet.bench.tools.sparse_oracle --mode codec --codec birdplus:density=0.01:cap=30 --seed 0
+    python -m birdnet.bench.tools.sparse_oracle --mode oracle --density 0.04 --seed 0
+    python -m birdnet.bench.tools.sparse_oracle --mode oracle --density 0.01 --sample-gamma 16 --cap 10 --seed 0
 
 One process, no daemons: the ``lm`` task of ``birdnet bench train`` (the same model, data, seed,
 batches of 4 workers x 16, 400 steps), each worker's gradient computed in turn on one copy of the

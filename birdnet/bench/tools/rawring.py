@@ -1,7 +1,7 @@
 """What a ring over plain TCP sockets costs in CPU, against Gloo (docs/benchmarks.md, "Where a dense
 round's CPU goes").
 
-    python docs/results/rawring.py [--handoff | --zmq] --sizes 100000,1000000,11689512 --calls 400,400,60 --gloo-calls 100 > OUT.json
+    python -m birdnet.bench.tools.rawring [--handoff | --zmq] --sizes 100000,1000000,11689512 --calls 400,400,60 --gloo-calls 100 > OUT.json
 
 4 processes on loopback run birdnet's dense ring schedule (reduce-scatter, then all-gather, one
 message per step) over plain TCP sockets, no ZeroMQ: the main thread receives each message straight
@@ -19,7 +19,7 @@ from its frame into the result; glibc's malloc told to keep freed buffers, as th
 (birdnet.osutil.keep_freed_buffers). That is ZeroMQ's own cost, without birdnet's headers, checks, poll
 loop and hand-off. Prints each process's CPU per call (time.process_time, all its threads, ZeroMQ's
 I/O thread too), summed and by thread, against 4 Gloo ranks doing the same sizes back to back
-(docs/results/loopcpu.py's way). A measuring tool, not part of birdnet.
+(loopcpu's way). A measuring tool, not part of birdnet.
 """
 import argparse
 import multiprocessing as mp
@@ -32,8 +32,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loopcpu import dump, gloo  # noqa: E402
+from birdnet.bench.tools.loopcpu import dump, gloo  # noqa: E402
 
 from birdnet.bench.allreduce import thread_cpu_seconds  # noqa: E402
 from birdnet.osutil import keep_freed_buffers  # noqa: E402

@@ -1,7 +1,7 @@
 """CPU per dense round on loopback, birdnet by thread against Gloo, over many calls (docs/benchmarks.md,
 "Where a dense round's CPU goes").
 
-    python docs/results/loopcpu.py --sizes 100000,1000000,11689512 --calls 1500,400,60 --gloo-calls 100 > OUT.json
+    python -m birdnet.bench.tools.loopcpu --sizes 100000,1000000,11689512 --calls 1500,400,60 --gloo-calls 100 > OUT.json
 
 Starts 4 daemons on loopback (no link shaping: CPU, not the wire, is measured), one process per
 node, and times CALLS back-to-back ``client.allreduce`` calls of each size with the process's own

@@ -1,7 +1,7 @@
 """Ratios Gloo / birdnet over repeated `birdnet bench allreduce --vs-gloo` invocations, with a
 bootstrap confidence interval of their median: is a gap more than the noise of repeated runs?
 
-    python docs/results/repeat_stats.py docs/results/ar_8_1gbit_1m_repeat_*.json
+    python -m birdnet.bench.tools.repeat_stats RUN_*.json
 
 Each file is one invocation (birdnet's runs, then Gloo's, on the same links); its ratio compares
 medians of that invocation, so a machine that slows down between invocations moves both sides. A

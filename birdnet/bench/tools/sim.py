@@ -1,14 +1,14 @@
-"""Reference experiment: how gradient compressors affect convergence, without any network.
+"""Convergence simulator: how gradient compressors affect training, without any network.
 
 W simulated workers train the same MLP data-parallel; each round every tensor of at least 1024
 elements goes through the chosen compressor, the results are averaged, and the model is updated.
-It is a quick way to try a codec design before building it into birdnet; the project's own
-training benchmark (through real daemons) is what counts. Not for copying into the project.
+It is a quick way to try a codec design before building it into birdnet; the training benchmark
+through real daemons (`birdnet bench train`) is what counts. What it found: docs/research/findings.md.
 
 usage:
-  python convergence_sim.py --method dense
-  python convergence_sim.py --method blocks --momentum-correction --gamma 4 --block 8
-  python convergence_sim.py --method marsit --flush 100
+  python -m birdnet.bench.tools.sim --method dense
+  python -m birdnet.bench.tools.sim --method blocks --momentum-correction --gamma 4 --block 8
+  python -m birdnet.bench.tools.sim --method marsit --flush 100
 methods: dense, topk, blocks, marsit, signcascade, efsign
 data: mnist1d (generated offline by the `mnist1d` package) or digits (scikit-learn)
 """

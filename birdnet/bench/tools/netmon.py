@@ -1,10 +1,10 @@
 """What TCP does on the benchmark's links, sampled from outside while `birdnet bench allreduce
 --netns --vs-gloo` runs (docs/benchmarks.md, "TCP congestion control on the shaped links").
 
-    python docs/results/netmon.py record RAW.jsonl &      # every 1 s, until killed
+    python -m birdnet.bench.tools.netmon record RAW.jsonl &      # every 1 s, until killed
     birdnet bench allreduce --nodes 8 --sizes 11689512 --codecs none --netns --rate 100mbit ...
     kill %1
-    python docs/results/netmon.py summary RAW.jsonl > netmon_SUMMARY.json
+    python -m birdnet.bench.tools.netmon summary RAW.jsonl > netmon_SUMMARY.json
 
 `record` writes, per second: for each node namespace of the running benchmark (bn<pid>-<i>), its
 token bucket's counters (bytes and packets sent, dropped, overlimits) and its TCP retransmissions;

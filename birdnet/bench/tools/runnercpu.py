@@ -1,6 +1,6 @@
 """CPU of one round's data phase per node, without sockets (docs/benchmarks.md, CHANGELOG.md).
 
-    python docs/results/runnercpu.py --codec birdplus --size 11689512 --rounds 10 [--op sum] [--lane]
+    python -m birdnet.bench.tools.runnercpu --codec birdplus --size 11689512 --rounds 10 [--op sum] [--lane]
 
 WORLD RoundRunners over MemoryRing (one thread per node, as birdnet.daemon.warmup runs them), one
 local process per node, its buffer refilled before every round outside the timing; prints the
