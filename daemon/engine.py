@@ -1,11 +1,10 @@
 """The ring worker: the one thread that owns the peer sockets and runs rounds, one at a time.
 
-Size (over 1,000 lines): the round runner, the codec-state store and the ring worker's agreement,
-batches, aborts and dense lane are here together because the worker's parts share its round table
-(ready, order, aborted, lane) and run on its one thread. One RingWorker runs both rings: who is in a
-round, who leads, what travels on start / go, liveness and joins are its membership
-(daemon/membership.py: FixedRing; daemon/elastic.py: ElasticRing). The next split (issue 23) is a
-round object with its control messages dispatched by type.
+The round runner, the codec-state store and the ring worker's agreement, batches, aborts and dense
+lane live together because they share the worker's round table (ready, order, aborted, lane) and run
+on its one thread. One RingWorker runs both rings: who is in a round, who leads, what travels on
+start / go, liveness and joins are its membership (daemon/membership.py: FixedRing;
+daemon/elastic.py: ElasticRing).
 
 Rounds reach it from the service thread once every local process of the job has submitted
 (:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0 on the fixed

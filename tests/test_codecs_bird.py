@@ -1,4 +1,5 @@
-"""bird / birdplus: the properties of ../shared/papers/bird.md section 3, fixed seeds, stated tolerances."""
+"""bird / birdplus: the properties docs/codecs.md states (unbiased in expectation, the density kept, error
+feedback that loses nothing), fixed seeds, stated tolerances."""
 from __future__ import annotations
 
 import json

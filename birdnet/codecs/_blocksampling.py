@@ -1,6 +1,6 @@
 """Common machinery of ``bird`` and ``birdplus``: block sampling with index sharing.
 
-See docs/codecs.md and ../shared/papers/bird.md section 2. What the abstracts state (index sharing
+See docs/codecs.md (after BIRD, ICCD 2023, and BIRD+, IEEE TPDS 2024). What the abstracts state (index sharing
 over blocks, two random stages, expectation invariance, Gamma correction, uniform-distribution
 sampling) is the papers'; the concrete sampling (threshold from a block sample, systematic sampling,
 the shared selection mode, bounded scaling, error feedback and momentum correction options) is

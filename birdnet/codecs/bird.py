@@ -1,7 +1,7 @@
 """``bird``: BIRD — bi-random block sampling with index sharing.
 
 As described in the BIRD abstract (ICCD 2023); the sampling details are birdnet's design
-(../shared/papers/bird.md section 2, docs/codecs.md):
+(docs/codecs.md):
 
 1. random stage 1: draw s = max(``sample``, m/100) block norms uniformly (with replacement) and solve
    on the sample only for tau with sum_j min(1, a_j/tau) = density * s — no sort of the tensor;

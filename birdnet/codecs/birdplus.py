@@ -1,7 +1,7 @@
 """``birdplus``: BIRD+ — Gamma correction and uniform-distribution (systematic) block sampling.
 
 As described in the BIRD+ abstract (IEEE TPDS 35(11), 2024); the sampling details are birdnet's
-design (../shared/papers/bird.md section 2, docs/codecs.md):
+design (docs/codecs.md):
 
 1. w_i = (a_i / max a)^gamma (w_i = 0 where a_i = 0), gamma a multiple of 0.25 computed with
    multiplications and square roots only (no libm pow: identical on x86 and ARM);

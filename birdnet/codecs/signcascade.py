@@ -1,6 +1,6 @@
 """signcascade: the cascading one-bit baseline Marsit is measured against (docs/marsit.md).
 
-This is what the Marsit paper warns against (shared/papers/marsit.md section 1): at every hop the
+This is what the Marsit paper (DAC 2022) warns against: at every hop the
 node decompresses the received signs to ``+-scale``, adds its own vector, takes the sign again and
 forwards 1 bit per element plus one float (the new scale of that segment). The sign error compounds
 with every hop, so it converges worse than Marsit, more so with more nodes.

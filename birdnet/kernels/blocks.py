@@ -1,4 +1,4 @@
-"""Block kernels for BIRD / BIRD+ (docs/codecs.md, ../shared/papers/bird.md section 2).
+"""Block kernels for BIRD / BIRD+ (docs/codecs.md; BIRD+: IEEE TPDS 2024).
 
 A tensor of n elements is m = ceil(n/b) contiguous blocks of b elements (the last one padded
 virtually with zeros). Compression is one pass over memory (block L1 norms, fused with the error

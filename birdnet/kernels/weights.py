@@ -1,5 +1,5 @@
 """BIRD / BIRD+ O(m) kernels on the block norms: gamma weights, water-filling probabilities,
-systematic and Bernoulli sampling (docs/codecs.md, ../shared/papers/bird.md section 2). Sequential,
+systematic and Bernoulli sampling (docs/codecs.md; BIRD+: IEEE TPDS 2024). Sequential,
 float64, no fast-math, a fixed order: the same result on every machine and for any thread count.
 The public functions are the block codecs' API through ``birdnet.kernels.blocks``.
 """

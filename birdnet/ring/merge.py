@@ -1,5 +1,5 @@
 """Marsit's merged ring pattern: bits are merged hop by hop in the reduce-scatter and forwarded
-unchanged in the all-gather (docs/marsit.md; shared/papers/marsit.md section 2).
+unchanged in the all-gather (docs/marsit.md; after Marsit, DAC 2022).
 
 Schedule (the standard ring, as in birdnet.ring.dense): the ``ceil(n/8)`` bytes of sign bits are cut
 into ``world`` segments whose element boundaries are multiples of 8 (``segment_bounds(n, world,

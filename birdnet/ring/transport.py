@@ -9,7 +9,7 @@ this is all it needs:
 * ``recv(deadline)``: the next message from the left neighbour, as ``(header, [memoryview, ...])``;
   raises :class:`~birdnet.errors.PeerLostError` when ``time.monotonic()`` passes ``deadline``.
 
-The daemon's ZeroMQ transport (birdnet.daemon.peers) adds round ids, drops stale messages and
+The daemon's ZeroMQ transport (birdnet.daemon.transport.RoundTransport) adds round ids, drops stale messages and
 counts bytes; :class:`MemoryRing` does the same between threads for tests.
 """
 from __future__ import annotations
