@@ -95,7 +95,9 @@ def test_readme_shell_commands_and_flags_exist():
                 if not at:
                     continue
                 words = [Path(words[at[0]]).name, *words[at[0] + 1:]]
-                cmd = _MODULE[words[0]] + [w for w in words[1:2] if words[0] == "birdnet"]
+                # birdnet's subcommand, and bench's own (`birdnet bench allreduce`)
+                sub = words[1:3] if words[0] == "birdnet" and words[1:2] == ["bench"] else words[1:2]
+                cmd = _MODULE[words[0]] + (sub if words[0] == "birdnet" else [])
                 text = _help(cmd)
                 for flag in (w.split("=")[0] for w in words if w.startswith("--")):
                     assert flag in text, f"README: `{part.strip()}`: {flag} is not an option of {' '.join(cmd)}"
