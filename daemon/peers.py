@@ -7,9 +7,9 @@ numbering of messages and its gaps (numbering.py), and the round transport a rin
 (transport.py). One PeerNet serves both rings: where they differ (which ranks it links to, whose
 pings it accepts, what pings carry, who counts lost) it asks its membership (membership.py).
 
-Size (about 680 lines): the poll loop, the acceptance of a connection at its ping and the liveness
-bookkeeping read and write the same per-rank state (accepted identities, last seen, refusals) on
-the ring thread, and the message table below documents the protocol once.
+The poll loop, the acceptance of a connection at its ping and the liveness bookkeeping stay in one
+class because they read and write the same per-rank state (accepted identities, last seen,
+refusals) on the ring thread; the message table below documents the protocol once.
 
 Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
 and connects one DEALER socket to its right neighbour (elastic mode: one to every node). Everything

@@ -29,7 +29,7 @@ class BirdPlusCodec(BlockSamplingCodec):
 
     name = "birdplus"
     # gamma 16 (four squarings, exact on every CPU): the sharpest selection measured was the best one in
-    # the training benchmark (docs/benchmarks.md, "birdplus variants")
+    # the training benchmark (docs/research/findings.md)
     defaults = {**BlockSamplingCodec.common_defaults, "gamma": 16.0}
 
     def validate(self, params: dict[str, Any]) -> dict[str, Any]:

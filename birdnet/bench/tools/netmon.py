@@ -1,5 +1,5 @@
 """What TCP does on the benchmark's links, sampled from outside while `birdnet bench allreduce
---netns --vs-gloo` runs (docs/benchmarks.md, "TCP congestion control on the shaped links").
+--netns --vs-gloo` runs (docs/benchmarks.md, "Dense all-reduce against Gloo").
 
     python -m birdnet.bench.tools.netmon record RAW.jsonl &      # every 1 s, until killed
     birdnet bench allreduce --nodes 8 --sizes 11689512 --codecs none --netns --rate 100mbit ...

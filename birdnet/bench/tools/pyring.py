@@ -1,5 +1,5 @@
-"""How far a Python ring over ZeroMQ can go on this machine (docs/benchmarks.md, "What a bare Python ring
-does here").
+"""How far a Python ring over ZeroMQ can go on this machine: birdnet's dense all-reduce against Gloo
+and a bare 20-line ring on the same links.
 
     python -m birdnet.bench.tools.pyring --nodes 8 --calls 200 --size 1000000 > OUT.json
 

@@ -1,4 +1,4 @@
-"""Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md, "The 8-node 1M gap at 1 Gbit/s").
+"""Where a dense round's CPU goes, per daemon thread (docs/benchmarks.md).
 
     python -m birdnet.bench.tools.threadcpu --nodes 8 --calls 200 --rate 1gbit > OUT.json
     python -m birdnet.bench.tools.threadcpu --nodes 4 --calls 20 --size 11689512 --chunk-bytes 4194304 > OUT.json
