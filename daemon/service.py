@@ -5,10 +5,10 @@ Structure after gunicorn's arbiter: signal handlers only record the signal; the 
 watchdog). Rounds run on the :class:`~birdnet.daemon.engine.RingWorker` thread, which hands finished
 rounds back through a queue and wakes this loop with an inproc message.
 
-Why one module past 600 lines: it is one thread's state machine, and every ``handle_*`` reads and
-changes the same :class:`Daemon` (sessions, jobs, slots, doorbells, connections). The parts that
-stand apart are the seams a split would follow: the request field table and ``check_request``,
-the memfd side socket (``_open_fd_socket`` .. ``_forget_tokens``), the peer-credential helpers.
+It is one thread's state machine: every ``handle_*`` reads and changes the same :class:`Daemon`
+(sessions, jobs, slots, doorbells, connections). Apart from it stand the request field table and
+``check_request``, the memfd side socket (``_open_fd_socket`` .. ``_forget_tokens``) and the
+peer-credential helpers.
 
 Client protocol (frames as in :mod:`birdnet.wire`; the client's DEALER talks to our ROUTER):
 
