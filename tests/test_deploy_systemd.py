@@ -2,7 +2,7 @@
 hardening choices that must not break /dev/shm sharing, Numba's JIT or the watchdog.
 
 These machines do not run systemd as PID 1; `systemd-analyze verify` and `security --offline` work
-without it. Booting the unit for real is tests/test_deploy_nspawn.py.
+without it. Booting the unit for real (systemd-nspawn, by hand): docs/deploy.md, "Tests".
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ One process, no daemons: the ``lm`` task of ``birdnet bench train`` (the same mo
 batches of 4 workers x 16, 400 steps), each worker's gradient computed in turn on one copy of the
 model (every node's copy is identical in the real run). The first ``--warmup`` steps (32: where the
 automatic warm-up ends on this task) run torch's AdamW on the averaged gradient; then Adam's recipe
-for a selecting codec (birdnet/client/_torch_recipes.py): the variance frozen and refreshed at the
+for a selecting codec (client/_torch_recipes.py): the variance frozen and refreshed at the
 same steps, the gradient in preconditioned units (divided by the frozen denominator), Adam's first
 moment on the average, AdamW's decoupled weight decay. What travels:
 
