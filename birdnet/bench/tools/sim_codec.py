@@ -72,7 +72,7 @@ def codec_round(codec, xs, states, n: int, t: int, ti: int, seed: int, name: str
 
 def oracle_round(xs, acc, op: dict, rng: np.random.Generator, memo: dict) -> np.ndarray:
     """A summable selection made from what no codec has (every node's whole accumulator), to
-    bound what a summable codec could reach (docs/research/findings.md, fourth pass).
+    bound what a summable codec could reach (docs/research/findings.md).
 
     Each node keeps error feedback v (with ``momentum``: u = m u + x, v += u, u cleared where
     sent, as the codecs' momentum correction; without it the optimizer's momentum acts on the
