@@ -33,4 +33,4 @@ def bar(total: float | None, desc: str, unit: str = "it", file: TextIO | None = 
         from tqdm import tqdm
     except ImportError:
         return _NoBar()
-    return tqdm(total=total, desc=desc, unit=unit, file=file, leave=False, disable=None, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, file=file, leave=False, disable=None)
