@@ -3,17 +3,17 @@
 Starts N birdnetd daemons with their own hosts file and N training processes that train an MLP on
 scikit-learn's handwritten digits data-parallel through birdnet, once per codec (dense, marsit,
 birdplus), and prints one table: accuracy, bytes sent per worker, how many times fewer than
-dense, time, and whether every node ended with bit-identical parameters. As root (with ``ip
-netns``) each daemon runs in a network namespace of its own on a link shaped to --rate
+dense, time, and whether every node ended with bit-identical parameters. As root (where 'ip
+netns' works) each daemon runs in a network namespace of its own on a link shaped to --rate
 (100 Mbit/s), so the time column shows what compression is for; on loopback, which has no
 bandwidth limit, the compressed codecs save bytes but not time. Leaves no process, socket,
 namespace or shared-memory segment behind, Ctrl-C included.
 
 Each codec trains with the recipe the benchmarks and the PyTorch adapter use: a codec with a
-``momentum`` parameter (marsit, birdplus) carries SGD's momentum itself (momentum correction) and
-the workers apply plain SGD to its result; dense runs momentum SGD. ``--codec-params
-'{"momentum": 0}'`` turns the recipe off (the workers' momentum then runs on the decompressed
-average, which trains worse).
+momentum parameter (marsit, birdplus) carries SGD's momentum itself (momentum correction) and the
+workers apply plain SGD to its result; dense runs momentum SGD. --codec-params '{"momentum": 0}'
+turns the recipe off (the workers' momentum then runs on the decompressed average, which trains
+worse: marsit 0.821 against 0.967 with --hidden 128,128).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n")[2])
     p.add_argument("--nodes", type=int, default=4, help="daemons (one training process each), default 4")
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="epochs per codec, default 10")
     p.add_argument("--codecs", default=",".join(CODECS),
                    help="comma-separated codecs to compare (default: none,marsit,birdplus; none = dense)")
     p.add_argument("--codec", default=None, help="train this one codec only (same as --codecs CODEC)")
@@ -53,8 +53,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help='JSON parameters for every compressed codec, e.g. \'{"density": 0.05}\'')
     p.add_argument("--data", default="digits", choices=["digits", "mnist1d"])
     p.add_argument("--hidden", default="512,512", help="hidden layer widths of the MLP (default 512,512)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate, default 0.05")
+    p.add_argument("--seed", type=int, default=0, help="data order and initial parameters, default 0")
     p.add_argument("--network", default="auto", choices=["auto", "netns", "loopback"],
                    help="auto (default): network namespaces on shaped links when run as root, else loopback")
     p.add_argument("--rate", default=RATE, help=f"link rate in network namespaces (default {RATE}; tc tbf syntax)")
@@ -160,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"birdnet demo: {a.nodes} daemons {where} (hosts file {cluster.hosts}), {a.nodes} training "
                   f"processes, data {a.data}, MLP {a.hidden}, {a.epochs} epochs", flush=True)
             if network == "loopback" and len(runs) > 1:
-                print("  loopback has no bandwidth limit, so the compressed codecs save bytes here but not time"
-                      + (f" (network namespaces on shaped links: {why})" if why else "")
-                      + "; run as root, where `ip netns` works, to see the nodes on shaped links", flush=True)
+                hint = (f"network namespaces on shaped links would show the time saved: {why}" if why
+                        else "as root, without --network loopback, the nodes run on shaped links")
+                print(f"  loopback has no bandwidth limit, so the compressed codecs save bytes here but not time ({hint})",
+                      flush=True)
             rows, codes, warm_s = _train_all(a, cluster, runs, data, train_worker)
         except BirdnetError as exc:  # e.g. a codec parameter the daemons refuse
             print(f"birdnet demo: {exc}", file=sys.stderr)
