@@ -166,7 +166,7 @@ def _libc() -> Any:
 
 def segment_prefix(socket_path: str) -> str:
     """The prefix of every segment the daemon serving ``socket_path`` creates: one per daemon, so a
-    restarted daemon (or a test harness, birdnet.bench.cluster) finds what a killed one left."""
+    restarted daemon (or a test harness, birdnet.cluster) finds what a killed one left."""
     digest = hashlib.blake2b(os.path.abspath(socket_path).encode(), digest_size=4).hexdigest()
     return f"bn{digest}-"
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.socket:
         res = [train(a.socket, -1, -1, cfg)]
     else:
-        from birdnet.bench.cluster import LocalCluster
+        from birdnet.cluster import LocalCluster
         with tempfile.TemporaryDirectory(prefix="birdnet-cnn-") as tmp, \
                 LocalCluster(a.nodes, Path(tmp), local_size=a.local_size) as cl:
             print(f"{a.nodes} daemons on loopback, {a.nodes * a.local_size} training processes, "

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.socket:
             res = [train(a.socket, -1, -1, cfg)]
         else:
-            from birdnet.bench.cluster import LocalCluster
+            from birdnet.cluster import LocalCluster
             with LocalCluster(a.nodes, Path(tmp), local_size=a.local_size) as cl:
                 print(f"{a.nodes} daemons on loopback, {a.nodes * a.local_size} training processes, DDP on "
                       f"{a.backend}, codec {a.codec or 'none'}", flush=True)

@@ -1,10 +1,10 @@
-"""Tests use the package's local cluster (birdnet.bench.cluster), re-exported here, and helpers
+"""Tests use the package's local cluster (birdnet.cluster), re-exported here, and helpers
 that wait on a daemon."""
 import time
 
 from birdnet.client import Client
 
-from birdnet.bench.cluster import LocalCluster, Workers, free_ports  # noqa: F401
+from birdnet.cluster import LocalCluster, Workers, free_ports  # noqa: F401
 
 
 def wait_warm(sock: str, timeout: float = 180.0) -> None:

@@ -29,6 +29,7 @@ def test_bench_allreduce_loopback_reports_every_figure(tmp_path):
     p = birdnet("bench", "allreduce", "--nodes", "2", "--sizes", "1000,50000", "--codecs",
                 "none,marsit,birdplus:density=0.05", "--runs", "2", "--warmup", "1", "--loop-calls", "3",
                 "--loop-warmup", "1", "--json")
+    assert "\r" not in p.stdout + p.stderr  # output to pipes, as to a log: no progress bar drawn
     out = json.loads(p.stdout)
     assert out["meta"]["nodes"] == 2 and out["meta"]["mode"] == "loopback"
     rows = {(r["count"], r["codec"]): r for r in out["rows"]}
@@ -244,7 +245,7 @@ def test_bench_overlap_times_the_three_modes():
 def test_local_cluster_that_fails_to_start_leaves_no_daemon_behind(tmp_path):
     """``with LocalCluster(...)`` never reaches __exit__ when a daemon fails to come up: start()
     itself must stop the daemons it already started (seen as stray daemons after a failed run)."""
-    from birdnet.bench.cluster import LocalCluster
+    from birdnet.cluster import LocalCluster
     cl = LocalCluster(3, tmp_path, per_node_extra=[[], [], ["--no-such-flag"]])
     with pytest.raises(RuntimeError, match="daemon 2 exited"):
         with cl:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from birdnet.bench.cluster import rank_results
 from birdnet.bench.ddp import CONFIGS, check_configs, powersgd_rank
+from birdnet.cluster import rank_results
 
 #: the tests that train run torch in subprocesses (CI's Python 3.10 has no local torch wheel)
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,

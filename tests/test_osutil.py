@@ -63,7 +63,7 @@ def test_an_operators_own_malloc_tuning_is_left_alone(env):
 
 
 def test_the_daemon_logs_its_malloc_policy(tmp_path):
-    from birdnet.bench.cluster import LocalCluster
+    from birdnet.cluster import LocalCluster
 
     with LocalCluster(1, tmp_path) as cl:
         log = cl.log(0)
@@ -110,7 +110,7 @@ def test_a_thread_is_named_where_top_and_ps_look():
 
 @linux_only
 def test_the_daemons_threads_carry_their_names(tmp_path):
-    from birdnet.bench.cluster import LocalCluster, free_ports
+    from birdnet.cluster import LocalCluster, free_ports
 
     port = free_ports(1)[0]
     with LocalCluster(1, tmp_path, extra=["--metrics-port", str(port)]) as cl:

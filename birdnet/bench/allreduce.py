@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from birdnet.bench.cluster import rank_results
 from birdnet.bench.specs import label, parse_codecs
+from birdnet.cluster import rank_results
 
 
 def bench_worker(sock: str, node: int, local: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")]
     codecs = parse_codecs(a.codecs)
     from birdnet.bench import netns
-    from birdnet.bench.cluster import LocalCluster
+    from birdnet.bench.progress import bar as progress_bar
+    from birdnet.cluster import LocalCluster
 
     if a.rate and not a.netns:
         p.error("--rate needs --netns")
@@ -305,7 +306,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.no_dense_lane:
         extra.append("--no-dense-lane")
     slow = {"peer_timeout": 60.0, "heartbeat_interval": 1.0}  # generous: 8 nodes share 2 cores
-    t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="birdnet-bench-") as tmp:
         try:
             if a.netns:
@@ -331,13 +331,13 @@ def main(argv: list[str] | None = None) -> int:
                 # each worker reads its own daemon's CPU from /proc (one PID namespace for all)
                 cfg["daemon_pids"] = [p.pid if p is not None else None for p in cl.procs]
                 w = cl.run_async(bench_worker, cfg, per_node=1)
-                spin = 0
-                while not w.ready():
-                    time.sleep(0.5)
-                    spin += 1
-                    mark = "|/-+"[spin % 4]
-                    print(f"\r  running birdnet {mark} {time.monotonic() - t_start:6.0f} s", end="",
-                          file=sys.stderr, flush=True)
+                spinner = progress_bar(None, "  running birdnet", unit="s")  # on a terminal only
+                try:
+                    while not w.ready():
+                        time.sleep(0.5)
+                        spinner.update(0.5)
+                finally:
+                    spinner.close()
                 try:
                     per_node = w.get(timeout=10)
                 except Exception:
@@ -345,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"--- daemon {i}, last lines of its log:\n" + "\n".join(cl.log(i).splitlines()[-8:]),
                               file=sys.stderr)
                     raise
-                print("", file=sys.stderr)
             for key in per_node[0]:
                 times = [max(pn[key]["times"][i] for pn in per_node) for i in range(a.runs)]
                 stats = per_node[0][key]["stats"]

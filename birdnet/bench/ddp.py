@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from birdnet.bench.cluster import rank_results
+from birdnet.cluster import rank_results
 
 CONFIGS = ("gloo", "powersgd1", "powersgd2", "powersgd4", "fp16", "birdnet", "hook", "optimizer", "local")
 GLOO_CONFIGS = ("gloo", "fp16")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(a)), flush=True)
         return 0
     from birdnet.bench import netns
-    from birdnet.bench.cluster import LocalCluster
+    from birdnet.cluster import LocalCluster
     from birdnet.config import Settings
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     bad = check_configs(configs)

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the overlap benchmark needs torch: pip install torch", file=sys.stderr)
         return 2
     from birdnet.bench import netns
-    from birdnet.bench.cluster import LocalCluster
+    from birdnet.cluster import LocalCluster
     cfg = {"hidden": a.hidden, "layers": a.layers, "batch": a.batch, "steps": a.steps, "blocks": a.blocks,
            "bucket_kb": a.bucket_kb, "threads": a.threads, "codec": a.codec,
            "params": json.loads(a.codec_params) if a.codec else None}

@@ -120,8 +120,8 @@ def _run_all(nodes: int, codecs, seeds: list[int], worker, config, fields, progr
     ``config(name, params, seed, job)`` is the workers' configuration, ``fields(r0)`` what a run
     keeps of rank 0's result, ``progress(r0)`` what the progress line says of it. A run records
     whether every node ended with the same parameters. None when interrupted (Ctrl-C)."""
-    from birdnet.bench.cluster import LocalCluster
     from birdnet.bench.specs import label
+    from birdnet.cluster import LocalCluster
 
     runs: list[dict[str, Any]] = []
     total = len(codecs) * len(seeds)

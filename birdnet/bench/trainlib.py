@@ -14,6 +14,21 @@ from typing import Any
 
 import numpy as np
 
+#: codecs with a ``momentum`` parameter, which can carry SGD's momentum themselves (momentum
+#: correction; the PyTorch adapter's MOMENTUM_CODECS). Named here rather than read from the codec
+#: classes, whose modules compile Numba kernels at import; tests/test_demo.py checks the two agree.
+MOMENTUM_CODECS = frozenset({"marsit", "signcascade", "topk", "dgc", "randomk", "efsign", "bird", "birdplus"})
+
+
+def recipe(codec: str | None, params: dict[str, Any], momentum: float) -> dict[str, Any]:
+    """``params`` with the SGD recipe of the NumPy path: a codec with a momentum parameter carries
+    the momentum (``momentum`` added unless given; :func:`train_worker` then applies plain SGD to
+    its result), as the PyTorch adapter arranges for ``torch.optim.SGD``. A ``momentum`` of 0 given
+    in ``params`` keeps the momentum in the workers, on the decompressed average."""
+    if codec in (None, "none") or codec not in MOMENTUM_CODECS or not momentum:
+        return dict(params)
+    return {**params, "momentum": params.get("momentum", momentum)}
+
 
 def one_thread_per_worker() -> None:
     """All workers and daemons of a local cluster share this machine's cores: keep each worker's
