@@ -57,10 +57,11 @@ def numpy_worker(sock, node, local):
         loop, params, outer, stats = _numpy_run(client, 8, sync_every=4, outer_lr=1.0, outer_momentum=0.0,
                                                 codec="none")
         pre = {k: v.copy() for k, v in params.items()}
-        out["mean"] = {"outer": outer, "stats": stats}
+        out["mean"] = {"outer": outer, "stats": stats, "momentum": loop.fragments[0].momentum is not None}
         # the schedule and the default codec with Nesterov momentum
         loop, params, outer, stats = _numpy_run(client, 12, sync_every=((1, 2), (2, 4), 4))
-        out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs}
+        out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs,
+                        "momentum": loop.fragments[0].momentum is not None}
         # fragments with overlap
         loop, params, outer, stats = _numpy_run(client, 16, sync_every=4, fragments=2, overlap=True, codec="topk",
                                                 codec_params={"density": 0.1})
@@ -104,6 +105,8 @@ def test_numpy_outer_parameters_bit_identical_and_schedule(np_results):
     assert o[0] == o[1] == o[2] and o[3] == o[4] == o[5] == o[6] and o[3] != o[7]
     # ((1, 2), (2, 4), 4) over 12 steps: syncs after steps 1, 2 (H=1), 4, 6 (H=2), 10 (H=4): five
     assert np_results[0]["sched"]["syncs"] == 5
+    # the lean setting (outer_momentum=0) keeps no momentum buffer; the default keeps one
+    assert not np_results[0]["mean"]["momentum"] and np_results[0]["sched"]["momentum"]
 
 
 @pytest.mark.timeout(600)
