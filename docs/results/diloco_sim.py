@@ -13,6 +13,7 @@ last average the parameters (--warm-lr 1, --warm-m 0), later ones step Nesterov 
 error feedback before the mean: none, fp16, sign (sign x mean |x| per tensor), signflat (one scale
 for the whole model, as marsit on one flat fragment; marsit's merge through the ring is approximated
 by the mean of the workers' signs), topk (--density, float32 values), topk2 (top-k with 2-bit values).
+--warm-codec: another codec for the syncs before the last H.
 The target (--target, default 2.033) is 1.02x the loss that 300 averaged steps reach on 4 workers.
 Prints one JSON line: steps_to_target, syncs, the curve.
 """
@@ -38,6 +39,7 @@ ap.add_argument("--steps", type=int, default=600)
 ap.add_argument("--warm", type=int, default=0)
 ap.add_argument("--sched", default="")
 ap.add_argument("--codec", default="none")
+ap.add_argument("--warm-codec", default="")
 ap.add_argument("--density", type=float, default=0.02)
 ap.add_argument("--warm-lr", type=float, default=1.0)
 ap.add_argument("--warm-m", type=float, default=0.0)
@@ -116,24 +118,25 @@ sent_bits = 0.0
 SCALE = [0.0]
 
 
-def compress(x, e):
-    if a.codec == "none":
+def compress(x, e, codec=None):
+    codec = codec or a.codec
+    if codec == "none":
         return x.clone()
     y = x + e
-    if a.codec == "fp16":
+    if codec == "fp16":
         q = y.half().float()
-    elif a.codec == "sign":
+    elif codec == "sign":
         q = torch.sign(y) * y.abs().mean()
-    elif a.codec == "signflat":
+    elif codec == "signflat":
         q = torch.sign(y) * SCALE[0]
-    elif a.codec == "topk":
+    elif codec == "topk":
         k = max(1, int(a.density * y.numel()))
         f = y.flatten()
         idx = f.abs().topk(k).indices
         q = torch.zeros_like(f)
         q[idx] = f[idx]
         q = q.view_as(y)
-    elif a.codec == "topk2":  # top-k with 2-bit values (sign * per-tensor mean |kept|, SparseLoCo-like)
+    elif codec == "topk2":  # top-k with 2-bit values (sign * per-tensor mean |kept|, SparseLoCo-like)
         k = max(1, int(a.density * y.numel()))
         f = y.flatten()
         idx = f.abs().topk(k).indices
@@ -173,8 +176,9 @@ for step in range(1, a.steps + 1):
     h, _ = H_at(last - a.warm)
     if k - (last - a.warm) >= h:
         lr, m = (a.outer_lr, a.outer_m) if h >= sched[-1][0] else (a.warm_lr, a.warm_m)
+        cod = a.warm_codec if (a.warm_codec and h < sched[-1][0]) else a.codec
         with torch.no_grad():
-            if a.codec == "signflat":  # one scale for the whole model per worker (birdnet marsit on one flat fragment)
+            if cod == "signflat":  # one scale for the whole model per worker (birdnet marsit on one flat fragment)
                 scales = []
                 for r in range(W):
                     tot = sum(float((po - p + e).abs().sum()) for po, p, e in zip(outer, reps[r].parameters(), ef[r]))
@@ -182,9 +186,9 @@ for step in range(1, a.steps + 1):
             for i, po in enumerate(outer):
                 d = 0
                 for r in range(W):
-                    if a.codec == "signflat":
+                    if cod == "signflat":
                         SCALE[0] = scales[r]
-                    d = d + compress(po - list(reps[r].parameters())[i], ef[r][i])
+                    d = d + compress(po - list(reps[r].parameters())[i], ef[r][i], cod)
                 d = d / W
                 if m > 0:
                     mom[i].mul_(m).add_(d)
@@ -210,6 +214,7 @@ print(
         {
             "sched": a.sched,
             "codec": a.codec,
+            "warm_codec": a.warm_codec,
             "density": a.density,
             "outer_lr": a.outer_lr,
             "outer_m": a.outer_m,
