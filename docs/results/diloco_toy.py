@@ -17,7 +17,9 @@ from cluster import LocalCluster  # noqa: E402
 
 VARIANTS = [("sgd", {}), ("sgd", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("sgd", {"codec": "none"}),
             ("sgd", {"codec": "topk", "codec_params": {"density": 0.05}}),
-            ("adamw", {}), ("adamw", {"codec": "none"}), ("adamw", {"codec": "topk", "codec_params": {"density": 0.05}})]
+            ("adamw", {}), ("adamw", {"codec": "none"}), ("adamw", {"codec": "topk", "codec_params": {"density": 0.05}}),
+            ("adamw", {"codec": "birdplus"}), ("adamw", {"codec": "topk", "codec_params": {"density": 0.01}}),
+            ("adamw", {"codec": "fp16"}), ("sgd", {"codec": "birdplus"})]
 
 
 def worker(sock, node, local):
