@@ -15,7 +15,8 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from cluster import LocalCluster  # noqa: E402
 
-VARIANTS = [("sgd", {}), ("sgd", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("sgd", {"codec": "none"}),
+VARIANTS = [("sgd", {}), ("sgd", {"codec": "marsit"}), ("sgd", {"codec": "marsit", "outer_lr": 0.7, "outer_momentum": 0.9}),
+            ("sgd", {"outer_lr": 0.7, "outer_momentum": 0.9}), ("sgd", {"codec": "none"}), ("adamw", {"codec": "marsit"}),
             ("sgd", {"codec": "topk", "codec_params": {"density": 0.05}}),
             ("adamw", {}), ("adamw", {"codec": "none"}), ("adamw", {"codec": "topk", "codec_params": {"density": 0.05}}),
             ("adamw", {"codec": "birdplus"}), ("adamw", {"codec": "topk", "codec_params": {"density": 0.01}}),
