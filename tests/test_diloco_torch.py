@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 
 from cluster import LocalCluster  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a 2-node run of about a minute (several trainings)
+
 D_IN, HIDDEN, CLASSES, BATCH = 32, 64, 8, 32  # the first weight has 2048 elements (compressed)
 QUALITY_STEPS = 160
 #: the defaults' held-out loss may exceed per-step averaging's by this factor (seeds 0, fixed data):
