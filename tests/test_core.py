@@ -277,6 +277,30 @@ def test_client_import_does_not_import_numba():
     assert r.returncode == 0, r.stderr
 
 
+def test_codec_parameters_are_validated_without_numba():
+    """birdnet.codecs.validate: the daemons' own check (the same CodecError), in a training process
+    that never imports Numba or compiles a kernel."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from birdnet.codecs import validate, names\n"
+            "from birdnet.errors import CodecError\n"
+            "assert validate('birdplus', {'density': 0.05})['density'] == 0.05\n"
+            "assert all(isinstance(validate(n), dict) for n in names())\n"
+            "for name, params, says in [('birdplus', {'density': 2}, 'density must be a number in (0, 1]'),\n"
+            "        ('birdplus', {'gamma': 0.3}, 'gamma must be a multiple of 0.25'),\n"
+            "        ('marsit', {'densty': 0.1}, 'has no parameter densty'), ('nope', {}, 'unknown codec')]:\n"
+            "    try:\n"
+            "        validate(name, params)\n"
+            "    except CodecError as exc:\n"
+            "        assert says in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError((name, params))\n"
+            "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)[:5]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_dense_ring_divides_each_segment_once_on_its_owner(world, dtype):
