@@ -277,6 +277,19 @@ def test_client_import_does_not_import_numba():
     assert r.returncode == 0, r.stderr
 
 
+def test_birdnet_codecs_shows_the_recommended_settings(capsys):
+    """Not only the defaults' momentum=0.0: what SGD(momentum=0.9) runs each codec with through
+    the adapter's recipe, and the recipes per optimizer."""
+    from birdnet import cli
+    assert cli.main(["codecs"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "momentum=0.9 " in rows["marsit"] and "momentum=0.9 " in rows["birdplus"]
+    assert "momentum=0.9, error_feedback=True" in rows["randomk"]
+    assert "momentum=0.9" not in rows["qsgd"] and "SGD keeps momentum" in rows["fp16"]
+    assert "Adam/AdamW:" in out and "momentum_in_codec=None" in out
+
+
 def test_codec_parameters_are_validated_without_numba():
     """birdnet.codecs.validate: the daemons' own check (the same CodecError), in a training process
     that never imports Numba or compiles a kernel."""
