@@ -630,7 +630,7 @@ class Daemon:
                     f"call {h.get('seq')} of pid {getattr(self.sessions.get(identity), 'pid', '?')}: the kernels of codec "
                     f"{codec!r} were not compiled within warmup_timeout={self.settings.warmup_timeout} s "
                     f"({self.warmer.describe(codec, params)}); on a slow board raise warmup_timeout, or warm the "
-                    "cache before starting training (python -m birdnet.daemon.warmup)")
+                    "cache before starting training (`birdnet warmup`)")
                 log.warning("%s", err)
                 self.reply(identity, {"t": "error", "call": _call_of(h), **to_wire(err)})
             else:
