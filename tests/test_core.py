@@ -268,7 +268,7 @@ def test_codec_description_rebuilds_the_same_codec(name):
 
 
 def test_client_import_does_not_import_numba():
-    """Training processes must not pay for the JIT (numba is imported by codec modules only)."""
+    """Training processes must not pay for the JIT (Numba is imported by the kernel modules, at a codec's first use)."""
     import subprocess
     import sys
     code = ("import sys, birdnet, birdnet.client, birdnet.errors, birdnet.wire; "
