@@ -578,6 +578,7 @@ def test_the_cnn_example_leaves_the_recipe_automatic_unless_told(monkeypatch):
 def test_bad_codec_parameters_fail_at_construction_without_a_warning_first(codec, params, says):
     """Before any connection, warm-up step or recipe warning: the daemons' own message."""
     from birdnet.client.torch_dist import HookState
+
     from birdnet.errors import CodecError
     model = torch.nn.Linear(4, 2)
     with warnings.catch_warnings():
