@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate(f"birdnet.bench.{rest[0]}", rest[1:])
     args = p.parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
+        rc = int(args.fn(args) or 0)
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
+        return rc
     except BrokenPipeError:
         # the reader went away (`birdnet status | head`): no traceback. Python's own recipe: point
         # stdout at /dev/null so the interpreter's final flush does not fail a second time
