@@ -11,6 +11,7 @@ pump's business (``birdnet.client._replies``).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -29,11 +30,8 @@ from birdnet.errors import (
 
 
 def default_socket() -> str:
-    env = os.environ.get("BIRDNET_SOCKET")
-    if env:
-        return env
-    from birdnet.config import default_socket_path
-    return default_socket_path()
+    from birdnet.config import socket_path
+    return socket_path()
 
 
 def check_access(path: str) -> None:
@@ -59,13 +57,40 @@ def check_access(path: str) -> None:
     except FileNotFoundError:
         raise DaemonUnavailableError(
             f"no birdnetd at {path}: start it with `birdnetd --peers hosts.txt` "
-            "(or `systemctl start birdnetd`), or pass socket=/ set BIRDNET_SOCKET to its --socket path") from None
+            "(or `systemctl start birdnetd`), or point to its socket: --socket PATH on the command line, "
+            "socket=PATH in Python, or BIRDNET_SOCKET=PATH") from None
     if not os.access(path, os.R_OK | os.W_OK):
         st = os.stat(path)
         raise AuthenticationError(
             f"permission denied on {path} (owner uid {st.st_uid}, group gid {st.st_gid}, mode "
             f"{st.st_mode & 0o777:o}): birdnetd serves only its own user and its --shm-group; run the "
             "training process as one of them")
+
+
+#: a hello not answered within this many seconds makes the client ask whether anyone listens on
+#: the socket file at all (:func:`check_listening`); a live daemon answers well within it
+STALE_CHECK_AFTER = 0.5
+
+
+def check_listening(path: str) -> None:
+    """A socket file nobody listens on (left by a daemon that was killed) refuses a connection at
+    once; ZeroMQ's ipc connect instead retries quietly, and the hello would wait out its whole
+    timeout and say only that the daemon did not answer. One plain connect, closed at once, tells
+    the two apart. Only after a hello went unanswered for a moment: a live daemon would see the
+    probe as a connection of this process that closed, beside the real one."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise DaemonUnavailableError(
+            f"no daemon is listening on {path} (stale socket: its daemon was stopped or killed); start birdnetd "
+            "(`birdnetd --peers hosts.txt`, or `systemctl start birdnetd`), or point to the socket of a running "
+            "one: --socket PATH on the command line, socket=PATH in Python, or BIRDNET_SOCKET=PATH") from None
+    except OSError:
+        pass  # anything else (a full backlog, a timeout): the hello says what it finds
+    finally:
+        probe.close()
 
 
 class Connection:
@@ -105,8 +130,13 @@ class Connection:
         if self.local_rank is not None:
             hello["local_rank"] = self.local_rank
         self.send(hello)
+        deadline = time.monotonic() + timeout
         try:
-            reply = self.recv(time.monotonic() + timeout)
+            try:
+                reply = self.recv(min(deadline, time.monotonic() + STALE_CHECK_AFTER))
+            except RoundTimeoutError:
+                check_listening(self.socket_path)  # DaemonUnavailableError for a stale socket, at once
+                reply = self.recv(deadline)
         except RoundTimeoutError:
             self.close()
             raise DaemonUnavailableError(
