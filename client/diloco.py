@@ -87,14 +87,10 @@ STATE_KEY = "birdnet_diloco"
 
 
 def check_codec(codec: str, codec_params: dict[str, Any]) -> None:
-    """Refuse an unknown codec name at once (the registry's names; importing them loads no Numba).
-    The parameters are checked by the daemons at the first sync, which starts at the first step."""
-    from birdnet.codecs import names
-    if not isinstance(codec, str) or codec not in names():
-        raise InputError(f"codec={codec!r}: unknown codec for the pseudo-gradient; choose one of: "
-                         f"{', '.join(names())} (`birdnet codecs` lists them with their parameters)")
-    if not isinstance(codec_params, dict):
-        raise InputError(f"codec_params={codec_params!r}: expected a dict of the codec's parameters")
+    """The daemons' own check of a codec and its parameters (:func:`birdnet.codecs.validate`, which
+    loads no Numba), so a bad name or parameter fails at construction, not at the first sync."""
+    from birdnet.codecs import validate
+    validate(codec, codec_params)
 
 
 class Schedule:
