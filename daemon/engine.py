@@ -501,6 +501,8 @@ class RingWorker(threading.Thread):
         self.lost_processes: list[tuple[str, int]] = []
         #: aborts the right neighbour could not take yet (its socket reconnecting), with when
         self._unsent_aborts: list[tuple[Abort, float]] = []
+        #: round key -> when _repeat_aborts last told the ring again
+        self._repeated: dict[str, float] = {}
         #: job -> the highest call number this node's processes submitted (the cluster's numbering):
         #: a start for a lower number that is not waiting here names a call that already ended here
         self.submitted: dict[str, int] = {}
@@ -928,6 +930,8 @@ class RingWorker(threading.Thread):
             followed = handler(msg) if handler is not None else False
             if not followed and leader is not None and leader != self.rank and self.order:
                 m.waiting_for_start(self, leader)
+                if isinstance(m, FixedRing):
+                    self._repeat_aborts()
 
     # -- control messages between rounds, by type (as the service's main loop dispatches clients') --
     def handle_start(self, msg: dict[str, Any]) -> bool:
@@ -1035,6 +1039,25 @@ class RingWorker(threading.Thread):
                 self._unsent_aborts.append((abort, time.monotonic()))
         except Exception:  # noqa: BLE001
             pass
+
+    def _repeat_aborts(self) -> None:
+        """This node's processes wait for the leader to start a round, and this node failed an
+        earlier round of their job (alone, before any verdict): tell the ring again, once a second.
+        The first abort can be lost with a connection that was being re-made (the leader stopped,
+        its left neighbour's socket reconnecting): the leader would then wait round_timeout for its
+        start of that round to come back, holding every round of the ring."""
+        now = time.monotonic()
+        for key in self.order[:1]:
+            rnd = self.ready[key]
+            for seq in range(max(0, rnd.seq - MAX_BATCH), rnd.seq):
+                k = round_key(rnd.job, seq)
+                t = self.aborted.get(k)
+                if t is None or now - self._repeated.get(k, t.at) < 1.0:
+                    continue
+                self._repeated[k] = now
+                if len(self._repeated) > MAX_UNSENT_ABORTS:
+                    self._repeated.pop(next(iter(self._repeated)))
+                self._abort(k, t.message, cls=None if t.error_class == "PeerLostError" else t.error_class)
 
     def _resend_aborts(self) -> None:
         """Send the aborts that could not go out (see _abort), oldest first, while they matter."""
