@@ -662,7 +662,10 @@ class RingWorker(threading.Thread):
         cut off): answering at once lets every node fail it and catch up, instead of waiting
         round_timeout for processes that have gone on."""
         parsed = split_key(key)
-        return parsed is not None and key not in self.ready and self.submitted.get(parsed[0], -1) > parsed[1]
+        # not while the job's processes here have left (self.departed): its next run, numbering
+        # from 0 again, may be about to join, and this start may be its first call
+        return (parsed is not None and key not in self.ready and parsed[0] not in self.departed
+                and parsed[0] not in self.restarted_jobs and self.submitted.get(parsed[0], -1) > parsed[1])
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
