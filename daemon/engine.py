@@ -33,6 +33,11 @@ there), and the leader sends no data for a round it closed the lane before. Any 
 lost peer or a restarted neighbour closes the lane too; a lane round in progress that learns of
 the failure of an earlier round of its job is given up and agreed like the others
 (docs/architecture.md, "The dense lane").
+
+Every round on the fixed ring ends with a commit (RoundTransport.await_commit): a node answers its
+processes and applies the round's codec-state change only once its left neighbour's ``commit``
+count says every node holds the result, so no node releases a result another will fail
+(docs/reliability.md, "All-or-nothing rounds").
 """
 from __future__ import annotations
 
