@@ -1338,7 +1338,8 @@ class RingWorker(threading.Thread):
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
             if self.commits and isinstance(transport, RoundTransport):
-                transport.await_commit(self.settings.peer_timeout)
+                # a stopped node may hold up the count for long: as long as a round may wait
+                transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
             self.runner.commit(rnd)
         except LaneGivenUp:
             raise
