@@ -1,8 +1,8 @@
 """Steps a DiLoCo schedule needs to reach a target validation loss, simulated in one process (docs/slowlink.md).
 
-    python docs/results/diloco_sim.py --warm 60 --sched 16                       # 60 averaged steps, then H=16
-    python docs/results/diloco_sim.py --sched 1x8,2x8,4x16,8x32,16               # birdnet's default schedule
-    python docs/results/diloco_sim.py --sched 1x8,2x8,4x16,8x32,16 --codec signflat --steps 325
+    python -m birdnet.bench.tools.diloco_sim --warm 60 --sched 16                       # 60 averaged steps, then H=16
+    python -m birdnet.bench.tools.diloco_sim --sched 1x8,2x8,4x16,8x32,16               # birdnet's default schedule
+    python -m birdnet.bench.tools.diloco_sim --sched 1x8,2x8,4x16,8x32,16 --codec signflat --steps 325
 
 The byte-level transformer with AdamW (2 layers, d=128, context 64, 470,784 parameters, text of the
 local CPython standard library, batch 16 per worker), 4 workers in one process, no network; every 25

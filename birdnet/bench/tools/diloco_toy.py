@@ -1,6 +1,6 @@
 """The outer optimizer and codec of the slow-link mode on a small task, 2 real daemons (docs/slowlink.md).
 
-    python docs/results/diloco_toy.py
+    python -m birdnet.bench.tools.diloco_toy
 
 The teacher task of tests/test_diloco_torch.py (an MLP of 2,632 parameters, a fixed random teacher
 labels Gaussian inputs, batch 32 per process, 160 steps, the default schedule): the held-out loss of
@@ -12,7 +12,7 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests"))
 from cluster import LocalCluster  # noqa: E402
 
 VARIANTS = [("sgd", {}), ("sgd", {"codec": "marsit"}), ("sgd", {"codec": "marsit", "outer_lr": 0.7, "outer_momentum": 0.9}),

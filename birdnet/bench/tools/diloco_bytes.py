@@ -1,6 +1,6 @@
 """Bytes one sync of the slow-link mode sends per node, by codec (docs/slowlink.md, Bytes per sync).
 
-    python docs/results/diloco_bytes.py
+    python -m birdnet.bench.tools.diloco_bytes
 
 4 daemons on loopback; each process all-reduces one flat float32 array of 470,784 elements (the
 transformer's parameters, as one fragment) three times per codec under a stable name, and node 0's
@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests"))
 from cluster import LocalCluster  # noqa: E402
 
 SPECS = [("none", {}), ("fp16", {}), ("marsit", {}), ("topk", {"density": 0.02}), ("birdplus", {}),
