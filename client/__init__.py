@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,24 @@ def _check_dtype(kind: str, dtype: np.dtype, op: str, name: str | None) -> None:
                          "array.astype(np.int64) with op='sum' for an exact integer sum")
     raise InputError(f"{what} has dtype {dtype}, which birdnet does not reduce; pass a float32 array "
                      "(array.astype(np.float32)), or float16/float64, or int32/int64 with op='sum'")
+
+
+def _retry_recoverable(attempt: Callable[[], None], deadline: float, *, pause: float) -> int:
+    """Run ``attempt`` until it succeeds, again after each error the ring recovers from
+    (``_RECOVERABLE``) until ``deadline``; a lost process of the job is raised at once (its job must
+    be restarted). Returns the number of attempts."""
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            attempt()
+            return attempts
+        except ProcessLostError:
+            raise
+        except _RECOVERABLE:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
 
 
 class Handle:
@@ -388,24 +407,16 @@ class Client:
         the number of attempts. Raises :class:`ProcessLostError` at once (a process of the job is
         gone: restart the job's processes) and the last error after ``timeout``."""
         deadline = time.monotonic() + timeout
-        attempts = 0
-        while True:
-            attempts += 1
-            try:
-                self._wait_ring(deadline)
-                left = max(1.0, deadline - time.monotonic())
-                for i, a in enumerate(arrays):
-                    if not isinstance(a, np.ndarray):
-                        raise InputError(f"recover: arrays[{i}] is a {type(a).__name__}, not a NumPy array")
-                    np.copyto(a, self.broadcast(a, root=root, name=f"birdnet.recover/{i}", timeout=left))
-                self.barrier(timeout=left)  # every process is out of its earlier calls
-                return attempts
-            except ProcessLostError:
-                raise
-            except _RECOVERABLE:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.1)
+
+        def attempt() -> None:
+            self._wait_ring(deadline)
+            left = max(1.0, deadline - time.monotonic())
+            for i, a in enumerate(arrays):
+                if not isinstance(a, np.ndarray):
+                    raise InputError(f"recover: arrays[{i}] is a {type(a).__name__}, not a NumPy array")
+                np.copyto(a, self.broadcast(a, root=root, name=f"birdnet.recover/{i}", timeout=left))
+            self.barrier(timeout=left)  # every process is out of its earlier calls
+        return _retry_recoverable(attempt, deadline, pause=0.1)
 
     def _wait_ring(self, deadline: float) -> None:
         """Until this node's daemon reports no peer lost (or ``deadline``, then the next call says why)."""

@@ -125,7 +125,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from birdnet.client import _RECOVERABLE, RECOVER_TIMEOUT, Client, Handle
+from birdnet.client import RECOVER_TIMEOUT, Client, Handle, _retry_recoverable
 from birdnet.client._torch_broadcast import _client, broadcast_optimizer_state, broadcast_parameters
 from birdnet.client._torch_diloco import DiLoCo
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
@@ -140,7 +140,7 @@ from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: publi
     _Recipes,
 )
 
-from birdnet.errors import InputError, ProcessLostError, ProtocolError
+from birdnet.errors import InputError, ProtocolError
 
 __all__ = [
     "BUCKET_BYTES",
@@ -628,26 +628,18 @@ def recover(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         pg = _default_birdnet_group()
     if isinstance(optimizer, _DistributedOptimizer):
         optimizer._reset_step()  # what the failed step left in flight (its waits end: the round failed)
-    attempts = 0
-    while True:
-        attempts += 1
-        try:
-            if pg is not None:
-                _recover_through_group(model, optimizer, root_rank)
-            else:
-                c = _client(client)
-                c._wait_ring(deadline)
-                broadcast_parameters(model.state_dict(), root_rank=root_rank, client=c)
-                if optimizer is not None:
-                    broadcast_optimizer_state(optimizer, root_rank=root_rank, client=c)
-                c.barrier(timeout=max(1.0, deadline - time.monotonic()))
-            return attempts
-        except ProcessLostError:
-            raise
-        except _RECOVERABLE:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.2)
+
+    def attempt() -> None:
+        if pg is not None:
+            _recover_through_group(model, optimizer, root_rank)
+            return
+        c = _client(client)
+        c._wait_ring(deadline)
+        broadcast_parameters(model.state_dict(), root_rank=root_rank, client=c)
+        if optimizer is not None:
+            broadcast_optimizer_state(optimizer, root_rank=root_rank, client=c)
+        c.barrier(timeout=max(1.0, deadline - time.monotonic()))
+    return _retry_recoverable(attempt, deadline, pause=0.2)
 
 
 def _recover_through_group(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, root_rank: int) -> None:

@@ -156,6 +156,7 @@ def test_schedule_and_bad_settings():
 @pytest.mark.parametrize("codec, params", [("nope", {}), ("birdplus", {"density": 2}), ("marsit", "x")])
 def test_bad_pseudo_gradient_codecs_fail_at_construction(codec, params):
     from birdnet.client.diloco import check_codec
+
     from birdnet.errors import CodecError
     with pytest.raises(CodecError):
         check_codec(codec, params)

@@ -20,6 +20,7 @@ SPECS = [("none", {}), ("fp16", {}), ("marsit", {}), ("topk", {"density": 0.02})
 
 def worker(sock, node, local):
     import numpy as np
+
     from birdnet.client import Client
     out = {}
     with Client(sock, job="diloco-bytes") as c:

@@ -26,8 +26,9 @@ VARIANTS = [("sgd", {}), ("sgd", {"codec": "marsit"}), ("sgd", {"codec": "marsit
 def worker(sock, node, local):
     import torch
     torch.set_num_threads(1)
-    import birdnet.client.torch as bnt
     import test_diloco_torch as T
+
+    import birdnet.client.torch as bnt
     from birdnet.client import Client
     out = []
     with Client(sock, job="diloco-toy") as client:

@@ -32,9 +32,8 @@ import time
 
 import numpy as np
 
-from birdnet.bench.tools.loopcpu import dump, gloo  # noqa: E402
-
 from birdnet.bench.allreduce import thread_cpu_seconds  # noqa: E402
+from birdnet.bench.tools.loopcpu import dump, gloo  # noqa: E402
 from birdnet.osutil import keep_freed_buffers  # noqa: E402
 from birdnet.ring.dense import segment_bounds  # noqa: E402
 

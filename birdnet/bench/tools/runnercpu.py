@@ -17,10 +17,10 @@ import statistics
 import time
 
 import numpy as np
-from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
 
 from birdnet.codecs import get_codec
 from birdnet.config import Settings
+from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
 from birdnet.ring.transport import MemoryRing
 
 

@@ -12,7 +12,6 @@ dense, density 0.01, blocks of 8).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 

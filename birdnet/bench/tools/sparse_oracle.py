@@ -39,10 +39,10 @@ import time
 
 import numpy as np
 import torch
-from birdnet.client._torch_recipes import ADAM_REFRESH_STEPS
 
 from birdnet.bench.specs import parse_spec
 from birdnet.bench.torchtasks import make_task
+from birdnet.client._torch_recipes import ADAM_REFRESH_STEPS
 from birdnet.codecs import get_codec
 from birdnet.codecs.base import RoundContext, begin_round, commit_round
 
