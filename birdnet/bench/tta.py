@@ -172,16 +172,19 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
         step_times.append(dt)
         train_s += dt
         if client is not None:
-            sent += _adapter_bytes(getattr(opt, "last_stats", None)) if _stats_fresh(opt) else 0
+            sent = _sent_so_far(opt, sent)
         loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
         if (step + 1) % v["eval_every"] == 0 or step + 1 == steps:
             tx = _tx_bytes(counter)
             history.append({"step": step + 1, "seconds": train_s, "train_loss": loss_sum / loss_n,
                             "wire_bytes": None if tx is None or tx0 is None else tx - tx0,
                             "adapter_bytes": sent if client is not None else None,
-                            **task.evaluate(model)})
+                            **_evaluate(task, model, opt)})
             loss_sum, loss_n = 0.0, 0
-    out = {"rank": rank, "history": history, "step_times": step_times, "digest": params_digest(model)}
+    if hasattr(opt, "flush"):
+        opt.flush()  # DiLoCo with overlap: the syncs in flight applied, as at the end of training
+    out = {"rank": rank, "history": history, "step_times": step_times,
+           "digest": _outer_digest(opt) if hasattr(opt, "outer_loop") else params_digest(model)}
     if client is not None:
         client.close()
     elif kind != "solo":
@@ -189,11 +192,42 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _stats_fresh(opt: Any) -> bool:
-    """Whether ``opt.last_stats`` describes this step's exchange (DiLoCo's may describe the last
-    sync, several steps ago; it then marks its record with that sync's step)."""
-    fresh = getattr(opt, "birdnet_synced", None)
-    return True if fresh is None else bool(fresh)
+def _sent_so_far(opt: Any, sent: int) -> int:
+    """Bytes this process's optimizer has sent so far: DiLoCo keeps the total (its ``last_stats``
+    describe the last sync, possibly several steps ago); DistributedOptimizer's describe this step."""
+    stats = getattr(opt, "last_stats", None)
+    if isinstance(stats, dict) and "bytes_sent_total" in stats:
+        return int(stats["bytes_sent_total"])
+    return sent + _adapter_bytes(stats)
+
+
+def _evaluate(task, model, opt) -> dict[str, float]:
+    """The task's metrics; for DiLoCo those of the outer parameters (identical on every node, what
+    training hands over), with the rank's own local model's as ``local_*``."""
+    loop = getattr(opt, "outer_loop", None)
+    if loop is None:
+        return task.evaluate(model)
+    import torch
+    local = {k: v.detach().clone() for k, v in model.named_parameters()}
+    out = {f"local_{k}": v for k, v in task.evaluate(model).items()}
+    with torch.no_grad():
+        for k, v in loop.outer_parameters().items():
+            dict(model.named_parameters())[k].copy_(torch.from_numpy(v))
+        out.update(task.evaluate(model))
+        for k, v in model.named_parameters():
+            v.copy_(local[k])
+    return out
+
+
+def _outer_digest(opt) -> str:
+    """sha256 over DiLoCo's outer parameters, in name order (the parameters every node must agree on;
+    the local ones differ between syncs by design)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k, v in sorted(opt.outer_loop.outer_parameters().items()):
+        h.update(k.encode())
+        h.update(v.tobytes())
+    return h.hexdigest()
 
 
 # -- the report's arithmetic ----------------------------------------------------------------------
