@@ -404,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant-timeout", type=float, default=1800.0, help="seconds one variant's ranks may take")
     p.add_argument("--json", metavar="FILE", help="write the results (one object per seed) here")
     p.add_argument("--plot", metavar="FILE.png", help="plot validation loss against seconds and bytes")
+    p.add_argument("--reuse", metavar="FILE", help="take the rows of variants already in this --json result of the same "
+                   "task, nodes, rate, steps and seed instead of running them again (the report says which)")
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -430,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for seed in seeds:
         rows = []
+        reused = reusable(a, seed) if a.reuse else {}
         with tempfile.TemporaryDirectory(prefix="birdnet-tta-") as tmp, \
                 (netns.NetnsCluster(a.nodes, a.rate) if not a.loopback else _Nothing()) as nsc:
             prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)] if nsc else [[] for _ in range(a.nodes)]
@@ -438,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
             with LocalCluster(a.nodes, Path(tmp), addresses=addresses if nsc else None, prefixes=prefixes,
                               peer_timeout=d.peer_timeout, heartbeat_interval=d.heartbeat_interval) as cl:
                 for k, v in enumerate(variants):
+                    if v["label"] in reused:
+                        rows.append(dict(reused[v["label"]], reused_from=a.reuse))
+                        print(f"[seed {seed} {k + 1}/{len(variants)}] {v['label']}: from {a.reuse}", file=sys.stderr)
+                        continue
                     t0 = time.monotonic()
                     print(f"[seed {seed} {k + 1}/{len(variants)}] {v['label']} ...", end="", file=sys.stderr, flush=True)
                     try:
@@ -450,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     row.update(label=v["label"], kind=v["kind"], steps=v["steps"] or a.steps)
                     rows.append(row)
+                    if a.json:  # what is done so far survives a later failure or Ctrl-C
+                        Path(a.json + ".partial").write_text(json.dumps({"seed": seed, "rows": rows}))
                     print(f" val loss {row['curve'][-1]['val_loss']:.4f}, {row['median_step_s']:.3f} s/step "
                           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
         failed = [r for r in rows if "error" in r]
@@ -470,6 +479,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         plot(results, a.plot)
     return 0 if all(not r["failed"] for r in results) else 1
+
+
+def reusable(a, seed: int) -> dict[str, dict[str, Any]]:
+    """The rows of ``a.reuse`` for ``seed`` by label, if that run trained the same thing on the same
+    links (else SystemExit naming what differs)."""
+    data = json.loads(Path(a.reuse).read_text())
+    for res in data if isinstance(data, list) else [data]:
+        m = res["meta"]
+        if m["seed"] != seed:
+            continue
+        want = {"task": a.task, "nodes": a.nodes, "steps": a.steps, "eval_every": a.eval_every,
+                "rate": "loopback (unshaped)" if a.loopback else a.rate}
+        bad = {k: (m.get(k), v) for k, v in want.items() if m.get(k) != v}
+        if bad:
+            raise SystemExit(f"--reuse {a.reuse}: its run differs ({', '.join(f'{k}: {x} there, {y} here' for k, (x, y) in bad.items())})")
+        return {r["label"]: r for r in res["rows"]}
+    return {}
 
 
 class _Nothing:
