@@ -35,7 +35,15 @@ from birdnet.client._slots import (
 
 from birdnet.errors import BirdnetError, DaemonUnavailableError, InputError, from_wire
 
-__all__ = ["Client", "Handle", "BirdnetError"]
+__all__ = ["Client", "Handle", "BirdnetError", "OuterLoop"]
+
+
+def __getattr__(name: str) -> Any:
+    # the slow-link mode's outer loop imports this module: loaded on first use
+    if name == "OuterLoop":
+        from birdnet.client.diloco import OuterLoop
+        return OuterLoop
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: how long to wait for the daemon to answer ``hello`` before saying it is not running. A missing
 #: socket fails at once (check_access); one that exists belongs to a daemon that may be busy for

@@ -126,6 +126,7 @@ import numpy as np
 import torch
 from birdnet.client import Client, Handle
 from birdnet.client._torch_broadcast import broadcast_optimizer_state, broadcast_parameters
+from birdnet.client._torch_diloco import DiLoCo
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
 from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
     _SMALL_TENSOR,
@@ -142,6 +143,7 @@ from birdnet.errors import InputError, ProtocolError
 
 __all__ = [
     "BUCKET_BYTES",
+    "DiLoCo",
     "DistributedOptimizer",
     "broadcast_optimizer_state",
     "broadcast_parameters",

