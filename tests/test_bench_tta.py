@@ -95,6 +95,8 @@ def test_variants_expand_codecs_and_parse_diloco_keywords():
     assert vs[4]["options"] == {}
     assert vs[5]["options"] == {"sync_every": 32, "codec": "topk", "codec_params": {"density": 0.02}}
     assert vs[6]["steps"] == 50
+    vs = parse_variants("diloco:sync_every=[[1,30],16]:outer_lr=0.5,gloo", "none")
+    assert vs[0]["options"] == {"sync_every": [[1, 30], 16], "outer_lr": 0.5} and vs[1]["label"] == "gloo"
     for bad in ("glo", "diloco:sync=3", "gloo:x=1", "solo:steps=0", "gloo,gloo"):
         with pytest.raises(SystemExit):
             parse_variants(bad, "none")
@@ -105,20 +107,23 @@ def test_variants_expand_codecs_and_parse_diloco_keywords():
 @pytest.mark.timeout(300)
 def test_smoke_tta_on_loopback(tmp_path):
     # the real bench, cut down: 2 daemons on loopback, 4 steps of the transformer, Gloo DDP, one
-    # per-step codec and solo; every rank's process reaped by rank_results, the daemons by LocalCluster
+    # per-step codec and DiLoCo with its defaults; every rank's process reaped by rank_results, the
+    # daemons by LocalCluster
     out = tmp_path / "tta.json"
     png = tmp_path / "tta.png"
     r = subprocess.run([sys.executable, "-m", "birdnet.bench.tta", "--loopback", "--nodes", "2", "--steps", "4",
-                        "--eval-every", "2", "--variants", "gloo,codecs,solo", "--codecs", "marsit",
+                        "--eval-every", "2", "--variants", "gloo,codecs,diloco", "--codecs", "marsit",
                         "--json", str(out), "--plot", str(png), "--variant-timeout", "200"],
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {x["label"]: x for x in res["rows"]}
-    assert set(rows) == {"gloo", "marsit", "solo"} and not res["failed"]
+    assert set(rows) == {"gloo", "marsit", "diloco"} and not res["failed"]
     assert [e["step"] for e in rows["gloo"]["curve"]] == [2, 4]
-    assert rows["gloo"]["identical"] and rows["marsit"]["identical"]
-    assert rows["marsit"]["bytes_per_node"] > 0  # the adapter's count on loopback
+    # DiLoCo: its outer parameters, evaluated and compared (the local ones differ between syncs)
+    assert all(r["identical"] for r in rows.values())
+    assert "local_val_loss" in rows["diloco"]["curve"][-1]
+    assert rows["marsit"]["bytes_per_node"] > 0 and rows["diloco"]["bytes_per_node"] > 0  # the adapter's count
     assert rows["gloo"]["time_to_target_s"] is not None  # its own final loss x 1.02 is reached
     assert res["summary"]["target"] == pytest.approx(rows["gloo"]["curve"][-1]["val_loss"] * 1.02)
     assert png.stat().st_size > 1000

@@ -55,8 +55,7 @@ def parse_variants(text: str, codecs: str) -> list[dict[str, Any]]:
     """The variants of ``--variants`` (``codecs`` expanded from ``--codecs``) as records
     ``{"label", "kind", "codec", "params", "options", "steps"}``; SystemExit naming a bad one."""
     out: list[dict[str, Any]] = []
-    items = [v.strip() for v in text.split(",") if v.strip()]
-    for item in items:
+    for item in _split_top(text):
         if item == "codecs":
             for c in [c.strip() for c in codecs.split(",") if c.strip()]:
                 name, params = parse_spec(c)
@@ -94,6 +93,22 @@ def parse_variants(text: str, codecs: str) -> list[dict[str, Any]]:
     if len(set(labels)) != len(labels):
         raise SystemExit(f"variants repeat: {labels}")
     return out
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets (a JSON value such as DiLoCo's schedule
+    ``sync_every=[[1,30],16]`` keeps its own)."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch in "[{"
+        depth -= ch in "]}"
+        if ch == "," and depth == 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    items.append(cur)
+    return [i.strip() for i in items if i.strip()]
 
 
 # -- one training process -------------------------------------------------------------------------
