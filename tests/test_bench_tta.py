@@ -128,3 +128,25 @@ def test_smoke_tta_on_loopback(tmp_path):
     assert res["summary"]["target"] == pytest.approx(rows["gloo"]["curve"][-1]["val_loss"] * 1.02)
     assert png.stat().st_size > 1000
     assert "| marsit |" in r.stdout
+
+
+def test_report_combines_the_rows_of_several_runs(tmp_path, capsys):
+    from birdnet.bench.tta import main
+    meta = {"command": "birdnet bench tta", "task": "lm", "nodes": 4, "rate": "20mbit", "steps": 40, "seed": 0,
+            "eval_every": 10, "machine": "2 cores"}
+    a = {"meta": meta, "rows": [row("gloo", "gloo", [3.0, 2.4, 2.1, 2.0], 1.0, bytes_per_step=1000),
+                                row("solo", "solo", [3.1, 2.6, 2.3, 2.2], 0.1)]}
+    b = {"seed": 0, "rows": [row("diloco", "diloco", [3.0, 2.3, 2.02, 2.0], 0.12, bytes_per_step=4),
+                             row("gloo", "gloo", [9.0, 9.0, 9.0, 9.0], 9.0)]}  # a label seen twice keeps its first row
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json.partial").write_text(json.dumps(b))
+    out = tmp_path / "all.json"
+    assert main(["--report", str(tmp_path / "a.json"), str(tmp_path / "b.json.partial"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["label"]: r for r in res["rows"]}
+    assert list(rows) == ["gloo", "solo", "diloco"]
+    assert res["summary"]["target"] == pytest.approx(2.04) and rows["gloo"]["time_to_target_s"] == 40.0
+    assert rows["diloco"]["step_at_target"] == 30 and rows["diloco"]["speedup_vs_gloo"] == pytest.approx(40 / 3.6)
+    assert rows["diloco"]["x_limit"] == pytest.approx(3.6 / 4.0)
+    assert rows["diloco"]["fewer_bytes_per_step_than_gloo"] == pytest.approx(250.0)
+    assert "| diloco | 3.6 | 30 | 11.11x | 0.90 |" in capsys.readouterr().out

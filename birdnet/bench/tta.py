@@ -421,11 +421,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="FILE.png", help="plot validation loss against seconds and bytes")
     p.add_argument("--reuse", metavar="FILE", help="take the rows of variants already in this --json result of the same "
                    "task, nodes, rate, steps and seed instead of running them again (the report says which)")
+    p.add_argument("--report", nargs="+", metavar="FILE", help="run nothing: one table (and --json, --plot) from "
+                   "the rows of earlier results (--json files or their .partial) of one task, links and seed")
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(json.loads(a.worker))), flush=True)
         return 0
+    if a.report:
+        return report_files(a)
     variants = parse_variants(a.variants, a.codecs)
     try:
         seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
@@ -494,6 +498,35 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot:
         plot(results, a.plot)
     return 0 if all(not r["failed"] for r in results) else 1
+
+
+def report_files(a) -> int:
+    """``--report``: the rows of several result files (the first file's meta; a label seen twice
+    keeps its first row) in one table, with the target, speed-ups and limit computed over all."""
+    meta: dict[str, Any] | None = None
+    rows: list[dict[str, Any]] = []
+    for f in a.report:
+        data = json.loads(Path(f).read_text())
+        for res in data if isinstance(data, list) else [data]:
+            if meta is None and "meta" in res:
+                meta = dict(res["meta"])
+            for r in res["rows"]:
+                if r["label"] not in {x["label"] for x in rows}:
+                    rows.append(dict(r, source=f))
+    if meta is None:
+        raise SystemExit("--report: none of the files has a run's meta (give a finished --json result first)")
+    steps = meta["steps"]
+    target, summary = report(rows, a.target, steps)
+    meta.update(command=meta["command"] + " (rows from " + ", ".join(a.report) + ")",
+                report_command="birdnet bench tta --report " + " ".join(a.report))
+    print(f"{meta['task']}, {meta['nodes']} nodes, {meta['rate']}, {steps} steps, seed {meta['seed']} ({meta['machine']})")
+    print(table(rows, summary, steps))
+    res = {"meta": meta, "summary": summary, "rows": rows, "failed": []}
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.plot:
+        plot([res], a.plot)
+    return 0
 
 
 def reusable(a, seed: int) -> dict[str, dict[str, Any]]:
