@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 from birdnet.client import Client
-from birdnet.client.diloco import OUTER_LR, OUTER_MOMENTUM, STATE_KEY, OuterLoop
+from birdnet.client.diloco import OUTER_LR, OUTER_MOMENTUM, STATE_KEY, WARMUP_OUTER_LR, OuterLoop
 
 from birdnet.errors import InputError
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "outer_defaults"]
 
 
 def _to_torch(v: Any) -> Any:
@@ -153,9 +153,17 @@ class _DiLoCo:
             self._bn_loop.flush()
 
 
+def outer_defaults(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
+    """The outer (lr, momentum) for an inner optimizer: DiLoCo's (0.7, 0.9) for Adam and AdamW (the
+    paper's inner optimizer), plain averaging (1, 0) for the others (docs/slowlink.md, Defaults)."""
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return OUTER_LR, OUTER_MOMENTUM
+    return WARMUP_OUTER_LR, 0.0
+
+
 def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
-           client: Client | None = None, sync_every: Any = None, outer_lr: float = OUTER_LR,
-           outer_momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
+           client: Client | None = None, sync_every: Any = None, outer_lr: float | None = None,
+           outer_momentum: float | None = None, nesterov: bool = True, fragments: int = 1,
            overlap: bool | int = False, codec: str | None = None, codec_params: Mapping[str, Any] | None = None,
            timeout: float | None = None, socket: str | None = None, job: str = "default") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` as the inner optimizer of DiLoCo: local steps, a sync every H steps.
@@ -171,8 +179,11 @@ def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
     sync_every : int or schedule, optional
         H, or ``((H, steps), ..., H)``; None: ``birdnet.client.diloco.DEFAULT_SCHEDULE``.
     outer_lr, outer_momentum, nesterov
-        The outer optimizer (Nesterov SGD lr 0.7, momentum 0.9 by default); ``outer_momentum=0``
-        is the lean setting (no momentum buffer: 4 bytes per parameter less).
+        The outer optimizer. None (default): chosen by the inner optimizer (``outer_defaults``):
+        for Adam/AdamW DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9); for SGD and others plain
+        averaging of the parameters (lr 1, momentum 0: Local SGD), which the measurements in
+        docs/slowlink.md found better with momentum SGD inside. ``outer_momentum=0`` is the lean
+        setting (no momentum buffer: 4 bytes per parameter less).
     fragments, overlap
         Streaming DiLoCo: sync in ``fragments`` groups in turn; apply results ``overlap`` steps late.
     codec, codec_params
@@ -191,6 +202,9 @@ def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
     if client is None:
         from birdnet.client.torch import init
         client = Client(socket, job=job) if socket is not None else init(job=job)
+    lr0, m0 = outer_defaults(optimizer)
+    outer_lr = lr0 if outer_lr is None else outer_lr
+    outer_momentum = m0 if outer_momentum is None else outer_momentum
     options = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                    fragments=fragments, overlap=overlap, codec=codec,
                    codec_params=None if codec_params is None else dict(codec_params), timeout=timeout)

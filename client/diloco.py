@@ -64,7 +64,7 @@ from birdnet.client import Client, Handle
 
 from birdnet.errors import InputError
 
-__all__ = ["DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
+__all__ = ["DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "DEFAULT_WARMUP_CODEC", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
            "OuterLoop", "Schedule", "check_codec"]
 
 #: the outer optimizer of DiLoCo (arXiv 2311.08105, section 3): Nesterov SGD, lr 0.7, momentum 0.9
@@ -77,6 +77,9 @@ DEFAULT_SCHEDULE: tuple[Any, ...] = ((1, 8), (2, 8), (4, 16), (8, 32), 16)
 #: the pseudo-gradient's default codec and parameters (docs/slowlink.md, Codecs)
 DEFAULT_CODEC = "marsit"
 DEFAULT_CODEC_PARAMS: dict[str, Any] = {}
+#: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
+DEFAULT_WARMUP_CODEC = "marsit"
+DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {}
 #: Streaming DiLoCo's mixing factor for a fragment applied late (overlap): local = a*local + (1-a)*outer
 MIX_ALPHA = 0.5
 #: key of the outer state inside a framework optimizer's state_dict
@@ -175,7 +178,8 @@ class OuterLoop:
         False: a sync waits for its all-reduce. True or d >= 1: the result is applied d inner steps
         later (True: half the interval between syncs, at least 1).
     codec, codec_params
-        The pseudo-gradient's codec; None: ``DEFAULT_CODEC`` with ``DEFAULT_CODEC_PARAMS``.
+        The pseudo-gradient's codec for every sync; None: ``DEFAULT_CODEC`` (``DEFAULT_CODEC_PARAMS``)
+        for the syncs at the schedule's last H and ``DEFAULT_WARMUP_CODEC`` for the warm-up syncs.
     timeout : float, optional
         Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit.
     pull, push : callable, optional
@@ -220,10 +224,17 @@ class OuterLoop:
         else:
             raise InputError(f"overlap={overlap!r}: expected True, False or a number of steps >= 0")
         if codec is None:
-            codec, codec_params = DEFAULT_CODEC, dict(DEFAULT_CODEC_PARAMS) if codec_params is None else codec_params
-        codec_params = dict(codec_params or {})
+            if codec_params is not None:
+                raise InputError("codec_params given without codec=; name the codec they belong to")
+            codec, codec_params = DEFAULT_CODEC, dict(DEFAULT_CODEC_PARAMS)
+            warm_codec, warm_params = DEFAULT_WARMUP_CODEC, dict(DEFAULT_WARMUP_CODEC_PARAMS)
+        else:
+            codec_params = dict(codec_params or {})
+            warm_codec, warm_params = codec, codec_params
         check_codec(codec, codec_params)
+        check_codec(warm_codec, warm_params)
         self.codec, self.codec_params = codec, codec_params
+        self.warmup_codec, self.warmup_codec_params = warm_codec, warm_params
         self.timeout = timeout
         self.pull, self.push = pull, push
         sizes = [a.size for a in self.arrays]
@@ -278,7 +289,7 @@ class OuterLoop:
         warm = h_now < self.schedule.final
         lr = WARMUP_OUTER_LR if warm else self.outer_lr
         m = 0.0 if warm else self.outer_momentum
-        self._start(f, lr, m)
+        self._start(f, lr, m, warm)
         self.slot += 1
         self.syncs += 1
         self.next_sync = t + self._interval(t)
@@ -288,7 +299,7 @@ class OuterLoop:
             self._finish(f, mix=False)
         return True
 
-    def _start(self, f: _Fragment, lr: float, m: float) -> None:
+    def _start(self, f: _Fragment, lr: float, m: float, warm: bool = False) -> None:
         if self.pull is not None:
             self.pull()
         if f.buf is None:
@@ -298,8 +309,9 @@ class OuterLoop:
         for i, off in zip(f.members, f.offsets):
             a = self.arrays[i].reshape(-1)
             np.subtract(f.outer[off:off + a.size], a, out=buf[off:off + a.size], casting="same_kind")
-        name = f"diloco/{self.codec}/{f.label}"
-        f.handle = self.client.allreduce_async(buf, op="mean", name=name, codec=self.codec, **self.codec_params)
+        codec, params = (self.warmup_codec, self.warmup_codec_params) if warm else (self.codec, self.codec_params)
+        name = f"diloco/{codec}/{f.label}"
+        f.handle = self.client.allreduce_async(buf, op="mean", name=name, codec=codec, **params)
         f.pending_lr, f.pending_m = lr, m
 
     def _receive(self, f: _Fragment) -> None:

@@ -29,10 +29,14 @@ def _local_sgd(params, w_true, rr, lr=0.05):
     params["b"] -= lr * err.mean(0)
 
 
+params_box: list = [None]  # the current run's parameters, for a pull hook made before they exist
+
+
 def _numpy_run(client, steps, timeout=60, **options):
     w_true, rr = _problem(client.rank)
     rng = np.random.default_rng(100 + client.rank)  # different on purpose: the broadcast fixes it
     params = {"w": rng.standard_normal((D_IN, D_OUT)).astype(np.float32), "b": np.zeros(D_OUT, np.float32)}
+    params_box[0] = params
     for k in params:
         params[k][...] = client.broadcast(params[k], root=0, name=f"init/{k}", timeout=60)
     loop = OuterLoop(client, params.items(), timeout=timeout, **options)
@@ -57,10 +61,18 @@ def numpy_worker(sock, node, local):
         loop, params, outer, stats = _numpy_run(client, 8, sync_every=4, outer_lr=1.0, outer_momentum=0.0,
                                                 codec="none")
         pre = {k: v.copy() for k, v in params.items()}
-        out["mean"] = {"outer": outer, "stats": stats}
+        out["mean"] = {"outer": outer, "stats": stats, "momentum": loop.fragments[0].momentum is not None}
+        # the same by hand: the locals just before the sync (the pull hook sees them), averaged
+        seen = []
+        loop2, params2, outer2, _ = _numpy_run(client, 4, sync_every=4, outer_lr=1.0, outer_momentum=0.0, codec="none",
+                                               pull=lambda: seen.append({k: v.copy() for k, v in params_box[0].items()}))
+        out["mean"]["by_hand"] = {k: client.allreduce(v, name=f"check/{k}", codec="none", timeout=60) for k, v
+                                  in seen[-1].items()}
+        out["mean"]["outer4"] = loop2.outer_parameters()
         # the schedule and the default codec with Nesterov momentum
         loop, params, outer, stats = _numpy_run(client, 12, sync_every=((1, 2), (2, 4), 4))
-        out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs}
+        out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs,
+                        "momentum": loop.fragments[0].momentum is not None}
         # fragments with overlap
         loop, params, outer, stats = _numpy_run(client, 16, sync_every=4, fragments=2, overlap=True, codec="topk",
                                                 codec_params={"density": 0.1})
@@ -104,6 +116,12 @@ def test_numpy_outer_parameters_bit_identical_and_schedule(np_results):
     assert o[0] == o[1] == o[2] and o[3] == o[4] == o[5] == o[6] and o[3] != o[7]
     # ((1, 2), (2, 4), 4) over 12 steps: syncs after steps 1, 2 (H=1), 4, 6 (H=2), 10 (H=4): five
     assert np_results[0]["sched"]["syncs"] == 5
+    # plain averaging with codec none: the outer parameters are the mean of the locals at the sync
+    for r in np_results:
+        for k, v in r["mean"]["by_hand"].items():
+            np.testing.assert_allclose(r["mean"]["outer4"][k], v, rtol=0, atol=1e-6)
+    # the lean setting (outer_momentum=0) keeps no momentum buffer; the default keeps one
+    assert not np_results[0]["mean"]["momentum"] and np_results[0]["sched"]["momentum"]
 
 
 @pytest.mark.timeout(600)
