@@ -223,6 +223,59 @@ class _Bucket:
                 self.var_views[id(p)] = self.var[off:off + n].view(p.shape)
 
 
+class _Merged:
+    """One dense round carrying several buckets of a sign-codec Adam group while it warms up.
+
+    After the warm-up each tensor of such a group travels in a bucket of its own (one sign scale
+    each); during the warm-up they all travel dense, and one round per tensor would cost a round
+    trip of the ring per tensor, each small enough that the daemons send it gathered (N-1 copies
+    of the whole tensor instead of the ring's 2(N-1)/N): at 4 nodes twice the ring's bytes. So
+    the members are copied into one shared-memory array, reduced in one round (the ring's bytes,
+    one round trip), and copied back."""
+
+    def __init__(self, index: int, members: list[_Bucket]) -> None:
+        self.members = members
+        self.offsets: dict[int, int] = {}
+        n = 0
+        for b in members:
+            self.offsets[b.index] = n
+            n += max(b.numel, 1)
+        self.numel = n
+        self.array: np.ndarray | None = None
+        self.handle: Handle | None = None
+        self.waited = False  # the round's result is in ``array``
+        self.name = f"warm/{index}/{members[0].entries[0][0]}"
+
+    def allocate(self, client: Client) -> None:
+        self.array = client.buffer((self.numel,), self.members[0].dtype)
+        self.array[...] = 0
+
+    def slice(self, b: _Bucket) -> np.ndarray:
+        off = self.offsets[b.index]
+        return self.array[off:off + max(b.numel, 1)]
+
+
+class _MemberHandle:
+    """A member bucket's view of a :class:`_Merged` round: ``wait()`` waits for the round (once)
+    and copies the member's part back into its own array; the round's figures are the last
+    member's (the others report 0 bytes, so summing ``last_stats`` counts the round once)."""
+
+    def __init__(self, merged: _Merged, b: _Bucket) -> None:
+        self.merged, self.b = merged, b
+        self.stats: dict[str, Any] = {}
+
+    def wait(self, timeout: float | None = None) -> None:
+        m = self.merged
+        if m.handle is not None and not m.waited:
+            m.handle.wait(timeout)
+            m.waited = True
+        np.copyto(self.b.array, m.slice(self.b))
+        st = m.handle.stats if m.handle is not None else {}
+        last = self.b is m.members[-1]
+        self.stats = dict(st, merged_into=m.name) if last else {
+            "codec": st.get("codec", "none"), "bytes_sent": 0, "merged_into": m.name}
+
+
 def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested here
     """Page-lock shared memory so device-to-host copies into it can be asynchronous."""
     try:
@@ -292,6 +345,10 @@ class _DistributedOptimizer(_Recipes):
             b.allocate(client)
             for _n, p, _o, _k in b.entries:
                 self._bn_of[id(p)] = b
+        #: bucket index -> the merged round it joins while its group warms up (_Merged)
+        self._bn_merge_of: dict[int, _Merged] = self._make_merges(int(bucket_bytes))
+        for m in {id(m): m for m in self._bn_merge_of.values()}.values():
+            m.allocate(client)
         self._bn_counts: dict[int, int] = {}
         self._bn_next = 0  # index of the next bucket to submit
         self._bn_hooks = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -370,6 +427,29 @@ class _DistributedOptimizer(_Recipes):
             b = self._fill(buckets, open_, (gi, dt, p.device), names[id(p)], p, bucket_bytes)
             b.dense = True
         return buckets
+
+    def _make_merges(self, bucket_bytes: int) -> dict[int, _Merged]:
+        """Runs of consecutive buckets of one sign-codec Adam group (same dtype and device), at most
+        ``bucket_bytes`` each, that travel as one dense round during the warm-up (:class:`_Merged`)."""
+        runs: list[list[_Bucket]] = []
+        for b in self._bn_buckets:
+            if not self._own_scale(b.group) or self._bn_warmup == 0:
+                continue
+            last = runs[-1] if runs else None
+            if (last is not None and last[-1].index == b.index - 1 and last[-1].group == b.group
+                    and last[-1].dtype == b.dtype and last[-1].device == b.device
+                    and (sum(x.numel for x in last) + b.numel) * b.dtype.itemsize <= bucket_bytes):
+                last.append(b)
+            else:
+                runs.append([b])
+        out: dict[int, _Merged] = {}
+        for k, run in enumerate(runs):
+            if len(run) < 2:
+                continue
+            m = _Merged(k, run)
+            for b in run:
+                out[b.index] = m
+        return out
 
     @staticmethod
     def _fill(buckets: list[_Bucket], open_: dict[tuple, _Bucket], key: tuple, name: str,
@@ -464,6 +544,14 @@ class _DistributedOptimizer(_Recipes):
             self._bn_reset_pending = False
             self._bn_client.reset_state(self._bn_timeout)
         g = self.param_groups[b.group]
+        m = self._bn_merge_of.get(b.index)
+        if m is not None and self._warming_up(g):
+            np.copyto(m.slice(b), b.array)
+            b.handle = _MemberHandle(m, b)  # type: ignore[assignment]
+            if b is m.members[-1]:  # buckets are submitted in order: every member is in
+                m.waited = False
+                m.handle = self._bn_client.allreduce_async(m.array, op="mean", name=m.name, codec="none")
+            return
         codec = g.get("birdnet_codec", self._bn_codec)
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
         if self._warming_up(g) or b.dense:
@@ -542,6 +630,8 @@ class _DistributedOptimizer(_Recipes):
             b.var_scale.clear()
             b.half_scale.clear()
             b.events.clear()
+        for m in self._bn_merge_of.values():
+            m.handle = None
         self._bn_counts.clear()
         self._bn_next = 0
 

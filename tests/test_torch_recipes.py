@@ -486,7 +486,7 @@ def adamw_worker(sock, node, local, codec):
         model, opt, sched = make_adamw(client, codec)
         g = torch.Generator().manual_seed(10 + client.rank)
         data = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
-        codecs, digests, refreshes, refresh_codecs = [], [], [], []
+        codecs, digests, refreshes, refresh_codecs, merged = [], [], [], [], []
         saved = None
         for s, (x, y) in enumerate(data):
             if s == SAVE:
@@ -495,6 +495,7 @@ def adamw_worker(sock, node, local, codec):
             codecs.append(sorted({st["codec"] for st in opt.last_stats}))
             refreshes.append([st["name"] for st in opt.last_stats if st["name"].startswith("var/")])
             refresh_codecs.append([st["codec"] for st in opt.last_stats if st["name"].startswith("var/")])
+            merged.append(sorted({st["merged_into"] for st in opt.last_stats if "merged_into" in st}))
             digests.append(digest(model))
         state = opt.state_dict()
         opt.remove_hooks()
@@ -519,6 +520,7 @@ def adamw_worker(sock, node, local, codec):
             one_step(model2, opt2, sched2, x, y)
             replay.append(digest(model2))
         return {"rank": client.rank, "codecs": codecs, "digests": digests, "replay": replay, "refreshes": refreshes,
+                "merged": merged,
                 "refresh_codecs": refresh_codecs,
                 "warmup": opt.birdnet_warmup_steps, "warmup_after_restore": opt2.birdnet_warmup_steps,
                 "final": flat(model), "final_after_restore": flat(model2), "saved": saved[0],
@@ -541,6 +543,11 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
     assert all(codec in c for c in a["codecs"][WARM:])
     if codec == "marsit":  # the dense bucket of small tensors travels fp16 after the warm-up
         assert all(c == ["fp16", "marsit"] for c in a["codecs"][WARM:])
+        # during the warm-up the per-tensor buckets and the small tensors' travel as one dense
+        # round (the ring's bytes, one round trip); after it each in its own round
+        assert a["merged"][:WARM] == [["warm/0/0.weight"]] * WARM and a["merged"][WARM:] == [[]] * (STEPS - WARM)
+    else:
+        assert a["merged"] == [[]] * STEPS
     assert all(set(c) == {"fp16"} for c in a["refresh_codecs"] if c)  # refreshes travel in float16
     assert a["warmup"] == a["warmup_after_restore"] == WARM
     # the compressed bucket's variance refreshes (a dense round beside the codec's) at WARM + 1, + 3
