@@ -14,8 +14,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 #: Wire protocol version; peers and clients refuse a different one (see birdnet.wire). 2: a merged
-#: (Marsit) round's scales ride from reduce-scatter step 1 and in all-gather step 0.
-PROTOCOL_VERSION = 2
+#: (Marsit) round's scales ride from reduce-scatter step 1 and in all-gather step 0. 3: rounds end
+#: with a ``commit`` count round the ring (every node holds the result before any releases it).
+PROTOCOL_VERSION = 3
 
 from birdnet.errors import BirdnetError  # noqa: E402
 

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("codecs", help="list the codecs and their default parameters")
     c.set_defaults(fn=cmd_codecs)
     sub.add_parser("demo", help="start a local cluster and train a small model through it", add_help=False)
-    sub.add_parser("bench", help="benchmarks: allreduce, codecs, train, overlap", add_help=False)
+    sub.add_parser("bench", help="benchmarks: allreduce, codecs, train, overlap, chaos", add_help=False)
     sub.add_parser("keygen", help="make a CURVE key pair for peer authentication", add_help=False)
     if argv and argv[0] in ("demo", "bench", "keygen"):
         rest = argv[1:]
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return _delegate("birdnet.demo", rest)
         if argv[0] == "keygen":
             return _delegate("birdnet.daemon.security", rest)
-        if not rest or rest[0] not in ("allreduce", "codecs", "train", "overlap"):
-            print("usage: birdnet bench {allreduce,codecs,train,overlap} [options]", file=sys.stderr)
+        if not rest or rest[0] not in ("allreduce", "codecs", "train", "overlap", "chaos"):
+            print("usage: birdnet bench {allreduce,codecs,train,overlap,chaos} [options]", file=sys.stderr)
             return 2
         return _delegate(f"birdnet.bench.{rest[0]}", rest[1:])
     args = p.parse_args(argv)

@@ -55,7 +55,7 @@ HEADER_KEYS: dict[str, tuple[str, str, str]] = {
     "sizes": ("all", "", "byte length of each buffer frame"),
     "q": ("all peer messages", "count", "number on this connection, one more than the last (a jump: messages lost)"),
     "qr": ("all peer messages", "", "1: numbering restarts at this q (the sender dropped what it had queued for a peer that answered nothing)"),
-    "k": ("start go abort lane data", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
+    "k": ("start go abort lane data commit", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
     "proto": ("ping", "", "PROTOCOL_VERSION of the sender"),
     "cw": ("ping", "", "the sender's cluster-wide settings (Settings.cluster_wide)"),
     "world": ("ping", "int", "nodes in the sender's hosts file"),
@@ -73,7 +73,8 @@ HEADER_KEYS: dict[str, tuple[str, str, str]] = {
     "counts": ("go", "", "process count per ring position"),
     "lane": ("go", "", "[job, seq]: the round the dense lane opens for"),
     "o": ("abort", "rank", "origin: the rank that failed the round first (fixed ring)"),
-    "c": ("abort data", "", "abort: the error class of the origin; data: dense ring chunk index"),
+    "c": ("abort data commit", "", "abort: the error class of the origin; data: dense ring chunk index; "
+          "commit: how many consecutive nodes ending with the sender hold round k's result"),
     "retry": ("abort", "", "elastic: start the round again on the re-formed ring instead of failing it"),
     "req": ("lane", "text", "a node asks the leader to close the lane (why)"),
     "ln": ("data", "", "1: the data of a lane round (started without an agreement)"),
@@ -174,7 +175,7 @@ MAX_TEXT_CHARS = 4096
 #: header keys of peer messages with a meaning of their own -> what they must be (check_peer)
 PEER_FIELDS: dict[str, str] = {k: check for k, (_m, check, _w) in HEADER_KEYS.items() if check}
 #: message types whose round key is required
-KEYED = frozenset(("start", "go", "abort", "data", "lane"))
+KEYED = frozenset(("start", "go", "abort", "data", "lane", "commit"))
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 

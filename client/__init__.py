@@ -33,7 +33,17 @@ from birdnet.client._slots import (
     SlotPool,
 )
 
-from birdnet.errors import BirdnetError, DaemonUnavailableError, InputError, from_wire
+from birdnet.errors import (
+    BirdnetError,
+    DaemonUnavailableError,
+    InputError,
+    PeerLostError,
+    ProcessLostError,
+    RoundMismatchError,
+    RoundTimeoutError,
+    ShutdownError,
+    from_wire,
+)
 
 __all__ = ["Client", "Handle", "BirdnetError"]
 
@@ -46,6 +56,11 @@ CONNECT_TIMEOUT = 5.0
 RECONNECT_TIMEOUT = 10.0
 #: how long ``close()`` waits for the daemon to confirm that it ended the session
 BYE_TIMEOUT = 1.0
+#: how long :meth:`Client.recover` keeps trying by default (a stopped node back, a daemon restarted)
+RECOVER_TIMEOUT = 120.0
+#: errors after which :meth:`Client.recover` tries again: the ring, a daemon or the numbering of the
+#: job's calls was not whole yet (a lost process is not among them: its job must be restarted)
+_RECOVERABLE = (PeerLostError, RoundTimeoutError, RoundMismatchError, DaemonUnavailableError, ShutdownError)
 
 
 class Handle:
@@ -308,6 +323,56 @@ class Client:
                 slot.busy = False
             raise
         return Handle(self, call, slot, shape, dtype, out, name)
+
+    def recover(self, arrays=(), *, root: int = 0, timeout: float = RECOVER_TIMEOUT) -> int:
+        """After a failed call: wait until the ring is whole again, then make ``arrays`` identical on
+        every process of the job, in place (process ``root``'s values, rank 0 by default: the lowest
+        rank, present on the fixed ring whenever any call can run). A collective: every process of
+        the job calls it, with the same arrays' shapes and dtypes, e.g. ::
+
+            try:
+                grad = client.allreduce(grad, name="w")
+            except (PeerLostError, RoundTimeoutError):
+                client.recover([weights, momentum])   # identical replicas again
+                continue
+
+        A failed call failed on every process (rounds are all-or-nothing), so the replicas differ
+        only by what each process did locally after the error; this puts them back. Calls that fail
+        while the ring is still broken are tried again until ``timeout`` (s); the job's call numbers
+        realign by themselves (a call that already ended on some node fails at once there). Returns
+        the number of attempts. Raises :class:`ProcessLostError` at once (a process of the job is
+        gone: restart the job's processes) and the last error after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                self._wait_ring(deadline)
+                left = max(1.0, deadline - time.monotonic())
+                for i, a in enumerate(arrays):
+                    if not isinstance(a, np.ndarray):
+                        raise InputError(f"recover: arrays[{i}] is a {type(a).__name__}, not a NumPy array")
+                    np.copyto(a, self.broadcast(a, root=root, name=f"birdnet.recover/{i}", timeout=left))
+                self.barrier(timeout=left)  # every process is out of its earlier calls
+                return attempts
+            except ProcessLostError:
+                raise
+            except _RECOVERABLE:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _wait_ring(self, deadline: float) -> None:
+        """Until this node's daemon reports no peer lost (or ``deadline``, then the next call says why)."""
+        while time.monotonic() < deadline:
+            try:
+                peers = self.status().get("peers") or []
+            except (DaemonUnavailableError, RoundTimeoutError):
+                time.sleep(0.2)
+                continue
+            if not any(isinstance(p, dict) and p.get("state") in ("lost", "refused", "connecting") for p in peers):
+                return
+            time.sleep(0.1)
 
     @property
     def connected(self) -> bool:

@@ -119,13 +119,14 @@ the carry from the saved momentum estimate; only the residual not yet sent is lo
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-from birdnet.client import Client, Handle
-from birdnet.client._torch_broadcast import broadcast_optimizer_state, broadcast_parameters
+from birdnet.client import _RECOVERABLE, RECOVER_TIMEOUT, Client, Handle
+from birdnet.client._torch_broadcast import _client, broadcast_optimizer_state, broadcast_parameters
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
 from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
     _SMALL_TENSOR,
@@ -138,7 +139,7 @@ from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: publi
     _Recipes,
 )
 
-from birdnet.errors import InputError, ProtocolError
+from birdnet.errors import InputError, ProcessLostError, ProtocolError
 
 __all__ = [
     "BUCKET_BYTES",
@@ -146,6 +147,7 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "init",
+    "recover",
 ]
 
 #: default bucket size: large enough to amortise a round's fixed cost (a start/go exchange round
@@ -583,6 +585,70 @@ class _DistributedOptimizer(_Recipes):
         for h in self._bn_hooks:
             h.remove()
         self._bn_hooks = []
+
+
+def recover(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, root_rank: int = 0,
+            client: Client | None = None, timeout: float = RECOVER_TIMEOUT) -> int:
+    """After a failed step: wait until the ring is whole again, then give every process ``root_rank``'s
+    parameters and buffers (``model.state_dict()``) and, with ``optimizer``, its optimizer state,
+    so the replicas are identical again. A collective (every process of the job calls it)::
+
+        try:
+            loss_fn(model(x), y).backward()
+            opt.step()
+        except (PeerLostError, RoundTimeoutError):
+            bnt.recover(model, opt)   # identical replicas again; the batch is skipped
+        opt.zero_grad()
+
+    The client is ``client``, else the :class:`DistributedOptimizer`'s, else :func:`init`'s. Under
+    DDP on the birdnet process group (``init_process_group``) pass the model (``ddp.module``) and
+    the optimizer: the broadcasts then go through the process group. Calls that fail while the
+    ring is still broken are tried again until ``timeout`` (s); returns the number of attempts.
+    :class:`~birdnet.errors.ProcessLostError` is raised at once (restart the job's processes)."""
+    deadline = time.monotonic() + timeout
+    if client is None:
+        client = getattr(optimizer, "_bn_client", None)
+    pg = None
+    if client is None:
+        from birdnet.client.torch_dist import _default_birdnet_group
+        pg = _default_birdnet_group()
+    if isinstance(optimizer, _DistributedOptimizer):
+        optimizer._reset_step()  # what the failed step left in flight (its waits end: the round failed)
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            if pg is not None:
+                _recover_through_group(model, optimizer, root_rank)
+            else:
+                c = _client(client)
+                c._wait_ring(deadline)
+                broadcast_parameters(model.state_dict(), root_rank=root_rank, client=c)
+                if optimizer is not None:
+                    broadcast_optimizer_state(optimizer, root_rank=root_rank, client=c)
+                c.barrier(timeout=max(1.0, deadline - time.monotonic()))
+            return attempts
+        except ProcessLostError:
+            raise
+        except _RECOVERABLE:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _recover_through_group(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, root_rank: int) -> None:
+    """recover's broadcasts on the birdnet process group (DDP): every tensor of the model's state
+    and of the optimizer's state, in a fixed order, in place."""
+    import torch.distributed as dist
+    tensors = [t for _k, t in sorted(model.state_dict().items())]
+    if optimizer is not None:
+        for p in (q for g in optimizer.param_groups for q in g["params"]):
+            st = optimizer.state.get(p, {})
+            tensors += [st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=root_rank)
+    dist.barrier()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,

@@ -77,6 +77,8 @@ log = logging.getLogger("birdnet.engine")
 
 #: rounds agreed in one start/go exchange at most (a training step's tensors, typically)
 MAX_BATCH = 32
+#: aborts kept for a right neighbour that cannot take them yet (RingWorker._abort)
+MAX_UNSENT_ABORTS = 256
 
 #: fields of a round description that must agree on every node
 AGREED = ("kind", "name", "shape", "dtype", "op", "codec", "root")
@@ -107,6 +109,9 @@ class LocalRound:
     #: calls whose ``done`` went through the process's result doorbell (the service's main thread
     #: sends the others over the client socket)
     delivered: set[int] = dataclasses.field(default_factory=set)
+    #: what the round changes in the codec state, applied only once its outcome is known to be a
+    #: success everywhere (RoundRunner.commit); a failed round drops it
+    commit_state: Callable[[], None] | None = None
 
     @property
     def key(self) -> str:
@@ -259,10 +264,25 @@ class RoundRunner:
     def __init__(self, settings: Settings, states: StateStore) -> None:
         self.settings, self.states = settings, states
 
-    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None) -> None:
+    def run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None,
+            defer_commit: bool = False) -> None:
         """Run ``rnd``'s data phase. ``counts`` are the agreed process counts per node; a lane round
         (a dense all-reduce started without an agreement, see RingWorker) has none (``None``) and
-        learns their total from the ring."""
+        learns their total from the ring. ``defer_commit``: the round's codec-state change waits in
+        ``rnd.commit_state`` for :meth:`commit` (the ring worker commits once every node holds the
+        result); else it is committed here."""
+        self._run(rnd, transport, rank, world, counts)
+        if not defer_commit:
+            self.commit(rnd)
+
+    @staticmethod
+    def commit(rnd: LocalRound) -> None:
+        """Apply the round's codec-state change (error feedback, momentum, compensation, a reset)."""
+        f, rnd.commit_state = rnd.commit_state, None
+        if f is not None:
+            f()
+
+    def _run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None) -> None:
         t0 = time.perf_counter()
         c0 = time.process_time()  # the whole daemon process: ring thread, ZeroMQ I/O thread, service
         lane = counts is None
@@ -273,7 +293,9 @@ class RoundRunner:
         st.update(count=total, codec="none", compress_seconds=0.0, bytes_sent=0, bytes_received=0,
                   wait_seconds=now - rnd.ready_at, t_ready=rnd.ready_at, t_data=now)
         if rnd.kind == "reset":
-            st["states_dropped"] = self.states.reset(rnd.job)
+            def reset() -> None:
+                st["states_dropped"] = self.states.reset(rnd.job)
+            rnd.commit_state = reset
             return
         if rnd.kind == "barrier":
             return
@@ -432,8 +454,11 @@ class RoundRunner:
             raise CodecError(f"codec {codec.name!r} declares unknown pattern {codec.pattern!r}")
         if codec.pattern != Pattern.MERGED:
             codec.after_round(state, out, ctx)
-        commit_round(state)
-        self.states.advance(rnd.job, d["name"])
+
+        def commit() -> None:
+            commit_round(state)
+            self.states.advance(rnd.job, d["name"])
+        rnd.commit_state = commit
         rnd.stats["compress_seconds"] = comp + (time.perf_counter() - tc)
         rnd.stats["state_bytes"] = self.states.total_bytes()
         return out, divided
@@ -466,6 +491,18 @@ class RingWorker(threading.Thread):
         #: job -> why its rounds cannot complete on this node (a local process left); written by the
         #: service thread, read here (single dict operations, atomic under the GIL)
         self.departed: dict[str, tuple[str, int]] = {}  # job -> (why, first call affected)
+        #: job -> (why, first call affected) for a process of the job lost on *another* node (a
+        #: ``ProcessLostError`` abort): the job's later calls here fail at once instead of waiting
+        #: for a leader that will never start them. Cleared like ``departed`` (a new process joins)
+        self.departed_elsewhere: dict[str, tuple[str, int]] = {}
+        #: (job, first call affected) of processes lost here without saying goodbye (killed, crashed),
+        #: appended by the service thread: told to the ring once (_announce_departure)
+        self.lost_processes: list[tuple[str, int]] = []
+        #: aborts the right neighbour could not take yet (its socket reconnecting), with when
+        self._unsent_aborts: list[tuple[Abort, float]] = []
+        #: job -> the highest call number this node's processes submitted (the cluster's numbering):
+        #: a start for a lower number that is not waiting here names a call that already ended here
+        self.submitted: dict[str, int] = {}
         #: rounds aborted anywhere in the ring, also those this node has not reached yet (a node that
         #: alone saw a peer lost, a neighbour restarted, a failed data phase): key -> (error class,
         #: message, monotonic time). A round with such a key fails at once when it is submitted or
@@ -484,6 +521,9 @@ class RingWorker(threading.Thread):
         self.lane_closed_at: Any = None  #: the round key of the leader's last ``lane`` close seen here
         if net is not None and self.lane_allowed:
             net.on_lane = self._on_lane_message
+        #: rounds end with a commit (RoundTransport.await_commit): every node holds the result before
+        #: any releases it. The fixed ring only (elastic mode re-forms its ring instead)
+        self.commits = "commit" in getattr(membership, "message_types", ()) and hasattr(net, "commits")
         #: the main loop's handlers of control messages between rounds (a ``lane`` message is
         #: handled as PeerNet.poll receives it, _on_lane_message; data between rounds is stale)
         self._handlers: dict[str, Callable[[dict[str, Any]], bool]] = {
@@ -506,6 +546,10 @@ class RingWorker(threading.Thread):
     def _take_inbox(self, timeout: float = 0.0) -> None:
         while self.restarted_jobs:
             self._forget_job(self.restarted_jobs.pop(0))
+        while self.lost_processes:
+            self._announce_departure(*self.lost_processes.pop(0))
+        if self._unsent_aborts:
+            self._resend_aborts()
         try:
             item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
@@ -523,6 +567,8 @@ class RingWorker(threading.Thread):
             elif item is not None:
                 self.ready[item.key] = item
                 self.order.append(item.key)
+                if item.seq > self.submitted.get(item.job, -1):
+                    self.submitted[item.job] = item.seq
                 t = self._tombstone(item.key)
                 if t is not None:
                     self._finish(item, from_wire({"error": t.error_class, "message": t.message}))
@@ -531,9 +577,46 @@ class RingWorker(threading.Thread):
             except queue.Empty:
                 return
 
+    def _announce_departure(self, job: str, first: int) -> None:
+        """Tell the ring that a process of ``job`` was lost on this node before its call ``first``:
+        every node then fails the job's later calls at once (ProcessLostError) until the job's
+        processes are restarted. Without it, a node whose processes waited for a start the leader
+        never sends (the leader's own process was the one lost) waited round_timeout. Only for a
+        process lost without a goodbye: a job that ends normally leaves nothing behind that could
+        meet its next run."""
+        if self.net is None or self.world == 1 or job not in self.departed:
+            return
+        key = round_key(job, first + self.membership.offsets.get(job, 0))
+        reason = f"node rank {self.rank}: {self.departed[job][0]}"
+        self._remember_failed(key, "ProcessLostError", reason)
+        self._abort(key, reason, cls="ProcessLostError")
+
+    def _note_departure_elsewhere(self, key: str, reason: str) -> None:
+        """A ``ProcessLostError`` abort of round ``key``: a process of its job left another node at
+        that call, so no later call of the job can complete either. Applied only while this node's
+        processes of the job are at that call or past it, so a stale abort of a run that ended
+        cannot doom a new run of the same job (which numbers its calls from 0 again)."""
+        parsed = split_key(key)
+        if parsed is None:
+            return
+        job, seq = parsed
+        if job not in self.submitted or self.submitted[job] < seq - 1 - MAX_BATCH:
+            return
+        cur = self.departed_elsewhere.get(job)
+        if cur is None or cur[1] > seq:
+            if len(self.departed_elsewhere) >= 1024:
+                self.departed_elsewhere.pop(next(iter(self.departed_elsewhere)))
+            self.departed_elsewhere[job] = (reason, seq)
+        for k in list(self.order):
+            r = self.ready[k]
+            if r.job == job and r.seq > seq:
+                self._finish(r, from_wire({"error": "ProcessLostError", "message": reason}))
+
     def _forget_job(self, job: str) -> None:
         """The job's processes on this node all left and a new one came: its call numbering starts
         again, so what this node remembers of its rounds by number goes."""
+        self.submitted.pop(job, None)
+        self.departed_elsewhere.pop(job, None)
         prefix = job + "/"
         for k in [k for k in self.aborted if k.startswith(prefix)]:
             del self.aborted[k]
@@ -559,10 +642,24 @@ class RingWorker(threading.Thread):
         that call), else None. Call numbers are the cluster's: the membership's offsets (an elastic
         joiner's) say how far they are from this node's."""
         parsed = split_key(key)
-        gone = self.departed.get(parsed[0]) if parsed is not None else None
-        if gone is None:
+        if parsed is None:
             return None
-        return gone[0] if parsed[1] - self.membership.offsets.get(parsed[0], 0) >= gone[1] else None
+        gone = self.departed.get(parsed[0])
+        if gone is not None and parsed[1] - self.membership.offsets.get(parsed[0], 0) >= gone[1]:
+            return gone[0]
+        gone = self.departed_elsewhere.get(parsed[0])
+        if gone is not None and parsed[1] >= gone[1]:
+            return gone[0]
+        return None
+
+    def _ended_here(self, key: str) -> bool:
+        """Whether round ``key`` already ended on this node (completed or failed): it is not waiting
+        here and this node's processes submitted a later call of its job. A start for it means the
+        numbering drifted apart (calls that failed on some nodes only, while a node was stopped or
+        cut off): answering at once lets every node fail it and catch up, instead of waiting
+        round_timeout for processes that have gone on."""
+        parsed = split_key(key)
+        return parsed is not None and key not in self.ready and self.submitted.get(parsed[0], -1) > parsed[1]
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
@@ -584,6 +681,8 @@ class RingWorker(threading.Thread):
         self._remember_failed(key, a.error_class or "PeerLostError", a.reason)
         if key in self.ready:
             self._finish(self.ready[key], RoundAborted.of(a))
+        if a.error_class == "ProcessLostError":
+            self._note_departure_elsewhere(key, a.reason)
         self._abort(key, a.reason, origin=a.origin, cls=a.error_class)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
@@ -922,10 +1021,36 @@ class RingWorker(threading.Thread):
         (RingWorker.aborted); an elastic abort travels the round's ring (``retry``: start the round
         again on the re-formed ring). The membership says which."""
         m = self.membership
+        abort = m.abort_of(key, reason, origin, cls, retry)
         try:
-            m.send_abort(m.abort_of(key, reason, origin, cls, retry))
+            m.send_abort(abort)
+        except PeerLostError:
+            # the right neighbour's socket is reconnecting (its queue was dropped while it did not
+            # answer, e.g. a stopped node): keep the abort and send it once it connects, or a node
+            # still waiting for the round (the leader for its start) would wait round_timeout
+            if not retry and self.world > 1:
+                if len(self._unsent_aborts) >= MAX_UNSENT_ABORTS:
+                    self._unsent_aborts.pop(0)
+                self._unsent_aborts.append((abort, time.monotonic()))
         except Exception:  # noqa: BLE001
             pass
+
+    def _resend_aborts(self) -> None:
+        """Send the aborts that could not go out (see _abort), oldest first, while they matter."""
+        keep = []
+        limit = self.settings.round_wait_timeout
+        now = time.monotonic()
+        for i, (abort, at) in enumerate(self._unsent_aborts):
+            if now - at > limit:
+                continue
+            try:
+                self.membership.send_abort(abort)
+            except PeerLostError:
+                keep = [x for x in self._unsent_aborts[i:] if now - x[1] <= limit]
+                break
+            except Exception:  # noqa: BLE001
+                continue
+        self._unsent_aborts = keep
 
     def _report(self, key: str, exc: BaseException) -> None:
         """Abort round ``key`` after it failed here with ``exc``: pass on an abort that came from
@@ -1092,6 +1217,14 @@ class RingWorker(threading.Thread):
                 ring.send(net, {**start, "descs": descs, "more": []})
                 self._pass_go(rd)
                 return
+            if self._ended_here(key):
+                descs.append([self.rank, {"error": (
+                    f"call {key} already ended on node rank {self.rank} (it failed there while the ring "
+                    f"was broken; its processes went on to call {self.submitted[split_key(key)[0]]})"),
+                    "error_class": "PeerLostError"}])
+                ring.send(net, {**start, "descs": descs, "more": []})
+                self._pass_go(rd)
+                return
             msg = net.poll(0.02)
             if msg is None or not ring.from_left(msg):
                 continue
@@ -1171,7 +1304,10 @@ class RingWorker(threading.Thread):
         rd: Round | None = getattr(transport, "round", None)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
-            self.runner.run(rnd, transport, transport.rank, transport.world, counts)
+            self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
+            if self.commits and isinstance(transport, RoundTransport):
+                transport.await_commit(self.settings.peer_timeout)
+            self.runner.commit(rnd)
         except LaneGivenUp:
             raise
         except BirdnetError as exc:

@@ -35,6 +35,7 @@ from typing import Any
 
 from birdnet.errors import PeerLostError, ProtocolError, RoundTimeoutError
 from birdnet.messages import Abort
+from birdnet.wire import split_key
 
 log = logging.getLogger("birdnet.membership")
 
@@ -211,7 +212,7 @@ class FixedRing:
     until it is back."""
 
     #: what a peer may send besides pings (anything else is dropped and logged)
-    message_types: tuple[str, ...] = ("start", "go", "abort", "data", "lane")
+    message_types: tuple[str, ...] = ("start", "go", "abort", "data", "lane", "commit")
     #: pings carry the ranks the sender counts lost, and a node adds what its left neighbour reports
     relays_lost = True
 
@@ -355,7 +356,22 @@ class FixedRing:
         """A follower waits for its processes to submit round ``key``."""
 
     def overtaken(self, worker: Any, key: str, leader: int) -> None:
-        """The leader started ``key``: rounds it has gone past."""
+        """The leader started ``key``: every earlier round of its job is over at the leader (it starts
+        a job's rounds in call order). One still held here failed on the other nodes while this
+        node was stopped or cut off (their processes went on): fail it now, so this node's processes
+        get the same error and submit the round the leader started, instead of both sides waiting
+        round_timeout for each other with their call numbers apart for good. A lane round running
+        here is not touched (the lane's own close gives it up)."""
+        parsed = split_key(key)
+        if parsed is None:
+            return
+        job, seq = parsed
+        for k in [k for k in worker.order if worker.ready[k].job == job and worker.ready[k].seq < seq
+                  and k != worker.lane_running]:
+            worker._remember_failed(k, "PeerLostError", f"the leader rank {leader} has gone on to round {key}")
+            worker._finish(worker.ready[k], RoundAborted(
+                f"round {k} will not run: the leader rank {leader} has gone on to round {key} of the job (the "
+                "call failed on the other nodes while this node was stopped or cut off)"))
 
     def waiting_for_start(self, worker: Any, leader: int) -> None:
         """A follower with rounds waiting, and no start this poll."""

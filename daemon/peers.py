@@ -36,6 +36,9 @@ type        direction       meaning
                             in a lane round, one started without an agreement).
 ``lane``    left -> right   the leader closes the dense lane before round ``k``: no node starts it
                             without an agreement; a node already in it gives it up (RingWorker).
+``commit``  left -> right   after a round's data phase: ``c``, how many consecutive nodes ending
+                            with the sender hold round ``k``'s result; a node releases the result
+                            once its left says world - 1 (RoundTransport.await_commit).
 ==========  ==============  =======================================================================
 
 Liveness: the left neighbour is alive while anything from it arrived within ``peer_timeout``; the
@@ -128,6 +131,9 @@ class PeerNet:
         self.dropped = 0
         #: messages from connections not accepted yet, until their first ping (handshake.py)
         self.held = HeldMessages(settings.peer_timeout, self._drop)
+        #: round key -> the highest ``commit`` count from the left not yet taken by its round
+        #: (RoundTransport.await_commit); bounded by transport.MAX_COMMITS_KEPT
+        self.commits: dict[str, int] = {}
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
         #: two live daemons claiming one rank: both refused (handshake.py)

@@ -713,6 +713,7 @@ class Daemon:
             idx = free[0]
         if self.worker is not None:
             self.worker.departed.pop(job, None)  # the job is whole again on this node
+            self.worker.departed_elsewhere.pop(job, None)  # a new run (the whole job restarted)
         s = Session(identity, pid, job, idx, uid=uid)
         if h.get("door") is True:
             mode = 0o660 if self.gid is not None else 0o600
@@ -789,7 +790,12 @@ class Daemon:
         if seq in s.used_seqs or seq < s.last_seq - SEQ_WINDOW:
             raise InputError(f"call {seq} was already submitted by this process (pid {s.pid}); call numbers are "
                              "used once (only birdnet.client numbers calls)")
-        gone = self.worker.departed.get(s.job) if self.worker is not None else None
+        gone = None
+        if self.worker is not None:
+            gone = self.worker.departed.get(s.job)
+            elsewhere = self.worker.departed_elsewhere.get(s.job)
+            if elsewhere is not None and (gone is None or elsewhere[1] < gone[1]):
+                gone = elsewhere
         if gone is not None and seq >= gone[1]:
             raise ProcessLostError(f"job {s.job!r} cannot run call {seq} on node rank {self.rank}: {gone[0]}")
         root = h.get("root", 0)
@@ -1225,6 +1231,8 @@ class Daemon:
             self.worker.departed[s.job] = (f"process pid {s.pid} (local rank {s.local_index}) of job {s.job!r} "
                                            f"on node rank {self.rank} left ({why}) after call {s.last_seq}; "
                                            "restart the job's processes", s.last_seq + 1)
+            if why in ("process exited", "connection closed"):
+                self.worker.lost_processes.append((s.job, s.last_seq + 1))
         if j is not None:
             j.sessions.pop(s.local_index, None)
             # Rounds still collecting on this node can never complete: fail them for the others.

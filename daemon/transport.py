@@ -58,7 +58,7 @@ class RoundTransport:
         #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
         self.on_other_abort: Any = None
         self._handlers = {"data": self.handle_data, "abort": self.handle_abort, "start": self.handle_start,
-                          "lane": self.handle_lane, "go": self.handle_go}
+                          "lane": self.handle_lane, "go": self.handle_go, "commit": self.handle_commit}
 
     @property
     def interrupt(self) -> dict | None:
@@ -197,3 +197,96 @@ class RoundTransport:
     def handle_go(self, msg: dict[str, Any]) -> bool:
         """A go during a data phase is an earlier agreement's, passed on late: stale."""
         return False
+
+    def handle_commit(self, msg: dict[str, Any]) -> bool:
+        """A ``commit`` count from the left (see :meth:`await_commit`), kept for the round it names:
+        the left neighbour may finish a round and count before this node has read its last data."""
+        if self.neighbours.from_left(msg):
+            note_commit(self.net, msg["h"])
+        return False
+
+    # -- the commit: a round's result is released only once every node of the ring holds it ------
+    def await_commit(self, timeout: float) -> None:
+        """After this node's data phase: wait until every node of the ring holds the round's whole
+        result, so that no node releases a result another node will fail (an all-or-nothing round).
+
+        Each node sends its right neighbour ``commit`` with ``c``, how many consecutive nodes ending
+        with itself are known to hold the result: 1 + what its left neighbour last said, at most
+        world - 1, sent again whenever it grows. A node knows every node holds the result once its
+        left neighbour says world - 1. That costs at most world - 1 small messages per node and
+        world - 1 hops after the last node finished. A failure before then (a lost or restarted
+        peer, an abort, a gap in the numbering, ``timeout`` without the count) fails the round here
+        like a failure of its data phase; raises like :meth:`recv`. Messages of later rounds that
+        come meanwhile (the left neighbour released the round and went on) are put back for the
+        next reader in order."""
+        need = self.world - 1
+        if need < 1:
+            return
+        net, nb, key = self.net, self.neighbours, self.key
+        deadline = time.monotonic() + timeout
+        sent = 0
+        later: list[dict] = []
+        try:
+            while True:
+                have = commit_count(net, key)
+                c = min(need, 1 + have)
+                if c > sent:
+                    nb.send(net, {"t": "commit", "k": key, "c": c})
+                    sent = c
+                if have >= need:
+                    return
+                if net.stopping:
+                    raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
+                why = nb.why_gone(net, key, self.restarts_at)
+                if why:
+                    raise PeerLostError(f"{why} (before every node held the result: it is released nowhere)")
+                self._check_gap()
+                now = time.monotonic()
+                if now >= deadline:
+                    raise PeerLostError(f"round {key}: the nodes did not all confirm holding the result within "
+                                        f"{timeout} s (the commit stopped at {nb.describe_left()})")
+                msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
+                if msg is None or not nb.accepts(msg):
+                    continue
+                h = msg["h"]
+                t = h.get("t")
+                if t == "commit":
+                    if nb.from_left(msg):
+                        note_commit(net, h)
+                elif t == "abort":
+                    a = Abort.from_header(h)
+                    if a is not None and a.key in (key, None):
+                        raise RoundAborted.of(a)
+                    later.append(msg)
+                elif t != "lane":  # a lane message was handled as the poll received it
+                    later.append(msg)
+        finally:
+            pop_commit(net, key)
+            if later:
+                net.held.ready.extendleft(reversed(later))
+
+
+#: commit counts kept per net for rounds not finished here yet (a few: the rounds in flight)
+MAX_COMMITS_KEPT = 256
+
+
+def note_commit(net: Any, h: dict[str, Any]) -> None:
+    """Keep the ``commit`` count ``h`` from the left neighbour (the highest per round)."""
+    key, c = h.get("k"), h.get("c")
+    if not isinstance(key, str) or not isinstance(c, int) or isinstance(c, bool) or not 0 < c < 1 << 20:
+        return
+    kept = getattr(net, "commits", None)
+    if kept is None:
+        return
+    if c > kept.get(key, 0):
+        if key not in kept and len(kept) >= MAX_COMMITS_KEPT:
+            kept.pop(next(iter(kept)))
+        kept[key] = c
+
+
+def commit_count(net: Any, key: str) -> int:
+    return net.commits.get(key, 0)
+
+
+def pop_commit(net: Any, key: str) -> None:
+    net.commits.pop(key, None)

@@ -39,11 +39,15 @@ def load():
     return tuple(map(torch.from_numpy, (xtr, ytr, xte, yte)))
 
 
-def fit(model, opt, cfg: dict, rank: int, size: int, after_step=None) -> tuple[list[float], float]:
+def fit(model, opt, cfg: dict, rank: int, size: int, after_step=None, recover=None) -> tuple[list[float], float]:
     """``cfg["epochs"]`` epochs, each process on its shard of every global batch (the same
     permutation on every process), the test accuracy after each; ``after_step()`` runs after every
-    optimizer step. Returns (accuracies, seconds)."""
+    optimizer step. A step whose all-reduce failed (a lost or stopped node: it fails on every process
+    alike) runs ``recover()`` (``bnt.recover``: identical replicas again) and skips its batch.
+    Returns (accuracies, seconds)."""
     import torch
+
+    from birdnet.errors import PeerLostError, RoundTimeoutError
 
     xtr, ytr, xte, yte = load()
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -56,8 +60,15 @@ def fit(model, opt, cfg: dict, rank: int, size: int, after_step=None) -> tuple[l
         for start in range(0, len(perm) - cfg["batch"] + 1, cfg["batch"]):
             idx = perm[start + rank * per: start + (rank + 1) * per]
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
+            try:
+                torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+                opt.step()
+            except (PeerLostError, RoundTimeoutError) as exc:
+                if recover is None:
+                    raise
+                print(f"rank {rank}: step failed ({exc}); recovering", flush=True)
+                recover()
+                continue
             if after_step is not None:
                 after_step()
         model.eval()

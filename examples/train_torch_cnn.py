@@ -48,7 +48,8 @@ def train(sock: str, node: int, local: int, cfg: dict) -> dict:
         def count_bytes() -> None:
             sent[0] += sum(int(s.get("bytes_sent", 0)) for s in opt.last_stats)
 
-        history, seconds = _digits.fit(model, opt, cfg, client.rank, client.size, count_bytes)
+        history, seconds = _digits.fit(model, opt, cfg, client.rank, client.size, count_bytes,
+                                       recover=lambda: bnt.recover(model, opt, client=client))
         return {"rank": client.rank, "size": client.size, "accuracy": history, "seconds": seconds,
                 "bytes_sent": sent[0], "param_digest": _digits.digest(model)}
 

@@ -53,7 +53,8 @@ def train(sock: str, node: int, local: int, cfg: dict) -> dict:
                               job=cfg["job"] if cfg["backend"] == "birdnet" else cfg["job"] + "-hook")
         model.register_comm_hook(state, bnt.comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    history, seconds = _digits.fit(model, opt, cfg, rank, size)
+    recover = (lambda: bnt.recover(model.module, opt)) if cfg["backend"] == "birdnet" else None
+    history, seconds = _digits.fit(model, opt, cfg, rank, size, recover=recover)
     ratios = sorted({round(float(s.get("ratio", 1.0)), 1) for s in (state.last_stats.values() if state else [])})
     if state is not None:
         state.close()

@@ -504,3 +504,63 @@ def test_an_idle_poll_waits_its_time_out_instead_of_spinning(ring, monkeypatch):
         assert time.monotonic() - t0 >= 0.0105
     assert len(calls) <= 20 * 3, calls
     assert all(isinstance(c, int) and c >= 1 for c in calls), calls
+
+
+# -- the commit at the end of a round (RoundTransport.await_commit) ---------------------------------
+@pytest.fixture
+def committing(ring):
+    """The 2-node ring with a raw ROUTER standing in for rank 1's peer port (it receives what rank 0
+    sends its right neighbour) and rank 1's handshake done."""
+    net, settings, left = ring
+    ctx = zmq.Context.instance()
+    right = ctx.socket(zmq.ROUTER)
+    right.setsockopt(zmq.LINGER, 0)
+    right.bind(net.peers[1].endpoint())
+    d = left(b"r1-c")
+    d.send_multipart(numbered_ping(settings, "c", 1))
+    collect(net, 0.2)
+    yield net, settings, d, right
+    right.close(0)
+
+
+def sent_to_right(sock: zmq.Socket, t: str, seconds: float = 1.0) -> list[dict]:
+    """Headers of type ``t`` that rank 0 sent its right neighbour within ``seconds``."""
+    out, deadline = [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if sock.poll(50):
+            frames = sock.recv_multipart()
+            h = wire.decode(frames[1:], max_bytes=1 << 20)[0]
+            if h.get("t") == t:
+                out.append(h)
+    return out
+
+
+def test_a_round_is_released_only_once_the_left_neighbour_confirms_every_node_holds_it(committing):
+    """The commit count: this node says it holds the result (c=1), and releases the round only when
+    its left neighbour says world-1 nodes ending with it hold it too; a count that came during the
+    data phase (the left finished first) is kept for the wait. Later rounds' messages that come
+    meanwhile are put back in order for their readers."""
+    net, settings, d, right = committing
+    rt = RoundTransport(net, "j/5")
+    d.send_multipart(numbered({"t": "commit", "k": "j/5", "c": 1}, 2))  # before this node's last data
+    d.send_multipart(numbered({"t": "data", "k": "j/5", "i": 6}, 3))
+    d.send_multipart(numbered({"t": "data", "k": "j/6", "i": 7}, 4))  # the left went on to the next round
+    assert rt.recv(time.monotonic() + 2)[0]["i"] == 6  # the data phase keeps the count it passed
+    t = time.monotonic()
+    rt.await_commit(2.0)
+    assert time.monotonic() - t < 0.5
+    h, _ = RoundTransport(net, "j/6").recv(time.monotonic() + 2)  # not lost to the commit's wait
+    assert h["i"] == 7
+    assert [(h["k"], h["c"]) for h in sent_to_right(right, "commit", 0.2)] == [("j/5", 1)]
+    assert net.commits == {}  # nothing kept once the round took it
+
+
+def test_a_round_whose_commit_never_comes_fails_and_an_abort_fails_it_at_once(committing):
+    net, settings, d, right = committing
+    with pytest.raises(PeerLostError, match=r"did not all confirm holding the result within 0.3 s"):
+        RoundTransport(net, "j/7").await_commit(0.3)
+    d.send_multipart(numbered({"t": "abort", "k": "j/8", "reason": "node rank 1: lost peer", "o": 1}, 2))
+    t = time.monotonic()
+    with pytest.raises(PeerLostError, match="node rank 1: lost peer"):
+        RoundTransport(net, "j/8").await_commit(5.0)
+    assert time.monotonic() - t < 1.0

@@ -234,3 +234,40 @@ def test_wrapper_is_the_optimizer_class_and_rejects_bad_settings(tmp_path):
         with pytest.raises(InputError, match="not in named_parameters"):
             bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), client=client,
                                      named_parameters=list(model.named_parameters())[:1])
+
+
+def recover_worker(sock, node, local):
+    """Replicas made to differ after a step (as after a failed one), then bnt.recover."""
+    import birdnet.client.torch as bnt
+    import torch
+    from birdnet.client import Client
+    torch.manual_seed(0)
+    with Client(sock, job="torch-recover") as client:
+        model = mlp()
+        opt = bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters(), client=client)
+        x, y = data(1, 2)
+        torch.nn.functional.cross_entropy(model(x[0, client.rank::2]), y[0, client.rank::2]).backward()
+        opt.step()
+        before = snapshot(model)
+        if client.rank == 1:  # what a process did alone after a failed call
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+                    opt.state[p]["momentum_buffer"].mul_(3.0)
+        attempts = bnt.recover(model, opt, client=client, timeout=60)
+        momentum = {str(i): opt.state[p]["momentum_buffer"].numpy().copy() for i, p in enumerate(model.parameters())}
+        return {"rank": client.rank, "before": before, "after": snapshot(model), "momentum": momentum,
+                "attempts": attempts}
+
+
+@pytest.mark.timeout(120)
+def test_recover_gives_every_process_rank_0s_parameters_and_optimizer_state(tmp_path):
+    with LocalCluster(2, tmp_path) as cl:
+        res = sorted(cl.run(recover_worker, timeout=100), key=lambda r: r["rank"])
+    assert [r["attempts"] for r in res] == [1, 1]
+    for k, v in res[0]["before"].items():
+        assert res[0]["after"][k].tobytes() == v.tobytes()  # rank 0's own values stay
+        assert res[1]["after"][k].tobytes() == v.tobytes(), k  # rank 1's are rank 0's again
+    for k, v in res[0]["momentum"].items():
+        assert res[1]["momentum"][k].tobytes() == v.tobytes(), k
