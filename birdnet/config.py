@@ -34,6 +34,19 @@ def default_socket_path() -> str:
     return os.path.join("/tmp", f"birdnet-{os.getuid()}", "birdnetd.sock")
 
 
+def socket_path() -> str:
+    """The socket a daemon serves and a client or ``birdnet status`` looks for when none is given:
+    ``$BIRDNET_SOCKET``, else :func:`default_socket_path`."""
+    return os.environ.get("BIRDNET_SOCKET") or default_socket_path()
+
+
+def socket_help() -> str:
+    """How the default socket is chosen, with what it is here and now (for --help texts)."""
+    return (f"default here: {socket_path()}; chosen as $BIRDNET_SOCKET, else /run/birdnet/birdnetd.sock when "
+            "/run/birdnet is writable (the system service), else $XDG_RUNTIME_DIR/birdnet/birdnetd.sock, else "
+            "/tmp/birdnet-UID/birdnetd.sock")
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything a daemon is configured with. Fields marked *cluster-wide* go into the handshake

@@ -1,6 +1,7 @@
 """The hosts file: one ``host:port`` per line, in ring order; ``#`` comments and blank lines ignored.
 
-``host`` is a name, an IPv4 address or an IPv6 address in brackets; a link-local IPv6 address
+``host`` is a name, an IPv4 address or an IPv6 address in brackets (required: ``::1:29500`` is
+refused, ``[::1]:29500`` is what it means); a link-local IPv6 address
 names its interface after ``%`` (its scope id), inside the brackets::
 
     10.0.0.11:29500
@@ -54,10 +55,11 @@ def parse_hosts(text: str, source: str = "<hosts>") -> list[Peer]:
                 raise ConfigError(f"{where}: {host!r} in brackets is not an IPv6 address "
                                   "(e.g. [fd00::1]:29500, or [fe80::12%eth0]:29500 for a link-local one)")
         else:
-            host, sep, port_s = line.rpartition(":")  # an IPv6 address without brackets: the last ':'
-            if ":" in host and not _is_ipv6(host):
-                raise ConfigError(f"{where}: {host!r} is not an IPv6 address; write IPv6 addresses in "
-                                  "brackets, [fd00::1]:29500")
+            host, sep, port_s = line.rpartition(":")
+            if ":" in host:  # without brackets the port cannot be told from the address's last group
+                fix = f"[{host}]:{port_s}" if _is_ipv6(host) else "[fd00::1]:29500"
+                raise ConfigError(f"{where}: {line!r}: write an IPv6 address in brackets, {fix} (without them "
+                                  "its last group reads as the port)")
         if not sep or not host or " " in line:
             raise ConfigError(f"{where}: {raw.strip()!r} is not 'host:port' (one entry per line)")
         try:
@@ -92,6 +94,28 @@ def load_hosts(path: str | Path) -> list[Peer]:
     except OSError as exc:
         raise ConfigError(f"cannot read hosts file {p}: {exc.strerror or exc}") from None
     return parse_hosts(text, str(p))
+
+
+def unresolved(peers: list[Peer]) -> dict[int, str]:
+    """The peers whose name does not resolve now, by rank, each with what to say about it. A daemon
+    checks at start and says so in its log and in ``birdnet status``: otherwise such a peer only
+    shows as lost once peer_timeout has passed, with nothing naming the name."""
+    out: dict[int, str] = {}
+    for p in peers:
+        if _is_ipv6(p.host):
+            continue
+        try:
+            socket.inet_pton(socket.AF_INET, p.host)
+            continue  # an address, not a name
+        except OSError:
+            pass
+        try:
+            socket.getaddrinfo(p.host, p.port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            out[p.rank] = (f"hosts-file name {p.host!r} (rank {p.rank}) does not resolve ({why}); fix the name "
+                           "or its DNS / /etc/hosts entry")
+    return out
 
 
 def _can_bind(host: str, port: int) -> bool:

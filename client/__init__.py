@@ -63,6 +63,27 @@ RECOVER_TIMEOUT = 120.0
 _RECOVERABLE = (PeerLostError, RoundTimeoutError, RoundMismatchError, DaemonUnavailableError, ShutdownError)
 
 
+#: what the daemons reduce: floats with either op, these integers with op="sum" (and broadcast)
+_FLOAT_DTYPES = ("float16", "float32", "float64")
+_INT_DTYPES = ("int32", "int64")
+
+
+def _check_dtype(kind: str, dtype: np.dtype, op: str, name: str | None) -> None:
+    """The daemons' dtype rule, said with what to pass instead (a fix-it message, before any round)."""
+    what = f"tensor {name!r}" if name is not None else "the array"
+    if dtype.name in _FLOAT_DTYPES or (dtype.name in _INT_DTYPES and (kind != "allreduce" or op == "sum")):
+        return
+    if dtype.name in _INT_DTYPES:
+        raise InputError(f"{what} is {dtype.name}: integers are reduced with op='sum' only (op={op!r} would "
+                         "divide); pass op='sum', or cast to float32 for a mean: array.astype(np.float32)")
+    if dtype.kind in "iub":
+        raise InputError(f"{what} is {dtype.name}, which birdnet does not reduce (it takes float16, float32, "
+                         "float64, and int32/int64 with op='sum'); cast it: array.astype(np.float32), or "
+                         "array.astype(np.int64) with op='sum' for an exact integer sum")
+    raise InputError(f"{what} has dtype {dtype}, which birdnet does not reduce; pass a float32 array "
+                     "(array.astype(np.float32)), or float16/float64, or int32/int64 with op='sum'")
+
+
 class Handle:
     """An all-reduce in flight. ``wait()`` returns the result; ``stats`` then holds this node's
     figures of the round: ``bytes_sent`` / ``bytes_received`` at the transport, ``ratio`` (dense
@@ -172,6 +193,8 @@ class Client:
         self._pool = SlotPool(self._alloc)
         self._seq = 0
         self._calls = itertools.count(1)
+        #: (codec, parameters) already checked by birdnet.codecs.validate in this process
+        self._valid_codecs: set[tuple[str, str]] = set()
         self._warned: set[str] = set()  #: the daemon's warnings already shown (each once)
         self._connect()
 
@@ -279,12 +302,12 @@ class Client:
         out = None
         shape: tuple[int, ...] = ()
         dtype = np.dtype(np.float32)
+        if codec is not None:
+            self._check_codec(codec, params)
         if array is not None:
             if not isinstance(array, np.ndarray):
                 array = np.asarray(array)
-            if array.dtype == object or array.dtype.kind not in "fiu":
-                raise InputError(f"cannot reduce an array of dtype {array.dtype}; pass a numeric NumPy array "
-                                 "(float16/32/64, or int32/int64 with op='sum')")
+            _check_dtype(kind, array.dtype, op, name)
             shape, dtype = tuple(array.shape), array.dtype
             pool = self._pool
             owned = pool.owner_of(array)
@@ -373,6 +396,20 @@ class Client:
             if not any(isinstance(p, dict) and p.get("state") in ("lost", "refused", "connecting") for p in peers):
                 return
             time.sleep(0.1)
+
+    def _check_codec(self, codec: str, params: dict[str, Any] | None) -> None:
+        """The daemons' own check of a codec and its parameters (birdnet.codecs.validate), once per
+        configuration: a bad one fails here, before any round, with the daemon's message."""
+        try:
+            key = (codec, repr(sorted((params or {}).items())))
+        except TypeError:  # keys of mixed types: validate() names the problem
+            key = None
+        if key is not None and key in self._valid_codecs:
+            return
+        from birdnet.codecs import validate
+        validate(codec, params)
+        if key is not None and len(self._valid_codecs) < 256:
+            self._valid_codecs.add(key)
 
     @property
     def connected(self) -> bool:

@@ -11,6 +11,7 @@ pump's business (``birdnet.client._replies``).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -29,11 +30,8 @@ from birdnet.errors import (
 
 
 def default_socket() -> str:
-    env = os.environ.get("BIRDNET_SOCKET")
-    if env:
-        return env
-    from birdnet.config import default_socket_path
-    return default_socket_path()
+    from birdnet.config import socket_path
+    return socket_path()
 
 
 def check_access(path: str) -> None:
@@ -59,13 +57,34 @@ def check_access(path: str) -> None:
     except FileNotFoundError:
         raise DaemonUnavailableError(
             f"no birdnetd at {path}: start it with `birdnetd --peers hosts.txt` "
-            "(or `systemctl start birdnetd`), or pass socket=/ set BIRDNET_SOCKET to its --socket path") from None
+            "(or `systemctl start birdnetd`), or point to its socket: --socket PATH on the command line, "
+            "socket=PATH in Python, or BIRDNET_SOCKET=PATH") from None
     if not os.access(path, os.R_OK | os.W_OK):
         st = os.stat(path)
         raise AuthenticationError(
             f"permission denied on {path} (owner uid {st.st_uid}, group gid {st.st_gid}, mode "
             f"{st.st_mode & 0o777:o}): birdnetd serves only its own user and its --shm-group; run the "
             "training process as one of them")
+    _check_listening(path)
+
+
+def _check_listening(path: str) -> None:
+    """A socket file nobody listens on (left by a daemon that was killed) refuses a connection at
+    once; ZeroMQ's ipc connect would instead wait out the whole hello timeout and say only that
+    the daemon did not answer. One plain connect, closed at once, tells the two apart."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        raise DaemonUnavailableError(
+            f"no daemon is listening on {path} (stale socket: its daemon was stopped or killed); start birdnetd "
+            "(`birdnetd --peers hosts.txt`, or `systemctl start birdnetd`), or point to the socket of a running "
+            "one: --socket PATH on the command line, socket=PATH in Python, or BIRDNET_SOCKET=PATH") from None
+    except OSError:
+        pass  # anything else (a full backlog, a timeout): the hello says what it finds
+    finally:
+        probe.close()
 
 
 class Connection:

@@ -231,6 +231,18 @@ def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested her
         pass
 
 
+def _validate_codecs(optimizer: torch.optim.Optimizer, codec: str | None, codec_params: Mapping[str, Any] | None) -> None:
+    """Every codec the optimizer's groups will use, checked as the daemons check it
+    (birdnet.codecs.validate) before anything is arranged or connected: a bad parameter fails here,
+    not at the first compressed step on every rank, and an unknown codec is not first warned about."""
+    from birdnet.codecs import validate
+    for g in optimizer.param_groups:
+        name = g.get("birdnet_codec", codec)
+        params = g.get("birdnet_codec_params", codec_params)
+        if name is not None:
+            validate(name, dict(params or {}))
+
+
 class _DistributedOptimizer(_Recipes):
     """Mixed into a subclass of the wrapped optimizer's class; see :func:`DistributedOptimizer`."""
 
@@ -702,6 +714,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     """
     if isinstance(optimizer, _DistributedOptimizer):
         raise InputError("this optimizer is already a DistributedOptimizer")
+    _validate_codecs(optimizer, codec, codec_params)
     if client is None:
         client = Client(socket, job=job) if socket is not None else init(job=job)
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizer, type(optimizer)), {})

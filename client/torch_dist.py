@@ -507,6 +507,9 @@ class HookState:
 
     def __init__(self, codec: str | None = None, codec_params: dict[str, Any] | None = None,
                  client: Client | None = None, socket: str | None = None, job: str = "default") -> None:
+        if codec is not None:  # a bad codec or parameter fails here, not at DDP's first bucket
+            from birdnet.codecs import validate
+            validate(codec, dict(codec_params or {}))
         self.codec, self.codec_params = codec, dict(codec_params or {})
         self.client, self.socket, self.job = client, socket, job
         self._engine: _Engine | None = None

@@ -8,7 +8,7 @@ import sys
 import zmq
 
 from birdnet import __version__
-from birdnet.config import Settings, load_settings
+from birdnet.config import Settings, load_settings, socket_help
 from birdnet.errors import BirdnetError, ConfigError
 from birdnet.osutil import keep_freed_buffers
 
@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
       "(# comments allowed). Without it: a one-node ring for local processes only.")
     a("--rank", type=int, help="this node's line in the hosts file, from 0 (default: the line whose "
       "address is on this machine with a free port; needed when several daemons share a machine)")
-    a("--socket", metavar="PATH", help="Unix socket for training processes (default $BIRDNET_SOCKET, else "
-      "/run/birdnet/birdnetd.sock for the system service, else $XDG_RUNTIME_DIR/birdnet/birdnetd.sock)")
+    a("--socket", metavar="PATH", help=f"Unix socket for training processes ({socket_help()})".replace("%", "%%"))
     a("--config", metavar="FILE", help="TOML file with settings (keys as the long options, with underscores)")
     a("--local-size", type=int, help=f"training processes per job on this node (default {d.local_size})")
     a("--cluster", help=f"cluster name; peers with another name are refused (default {d.cluster!r})")

@@ -64,7 +64,7 @@ from birdnet.errors import (
     ShutdownError,
     to_wire,
 )
-from birdnet.hosts import Peer, find_own_rank, load_hosts
+from birdnet.hosts import Peer, find_own_rank, load_hosts, unresolved
 from birdnet.osutil import pid_alive, release_freed_memory, unix_socket_accepts
 from birdnet.shm import Segment, new_name, remove_stale, sealing_available, segment_prefix
 
@@ -254,10 +254,15 @@ class Daemon:
         if settings.peers:
             self.peers = load_hosts(settings.peers)
             self.rank = settings.rank if settings.rank is not None else find_own_rank(self.peers, settings.peers)
+            #: rank -> why its hosts-file name did not resolve at start (log and status say so)
+            self.unresolved = {r: why for r, why in unresolved(self.peers).items() if r != self.rank}
+            for why in self.unresolved.values():
+                log.error("%s: the ring cannot reach it until it does", why)
             if self.rank >= len(self.peers):
                 raise_config(f"--rank {self.rank} is outside the {len(self.peers)} entries of {settings.peers}")
         else:
             self.peers = [Peer(0, "127.0.0.1", 0)]
+            self.unresolved = {}
             self.rank = 0
         self.world = len(self.peers)
         self.socket_path = settings.socket_path
@@ -625,7 +630,7 @@ class Daemon:
                     f"call {h.get('seq')} of pid {getattr(self.sessions.get(identity), 'pid', '?')}: the kernels of codec "
                     f"{codec!r} were not compiled within warmup_timeout={self.settings.warmup_timeout} s "
                     f"({self.warmer.describe(codec, params)}); on a slow board raise warmup_timeout, or warm the "
-                    "cache before starting training (python -m birdnet.daemon.warmup)")
+                    "cache before starting training (`birdnet warmup`)")
                 log.warning("%s", err)
                 self.reply(identity, {"t": "error", "call": _call_of(h), **to_wire(err)})
             else:
@@ -1272,6 +1277,10 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         w = self.worker
         peers = self.net.peer_states() if self.net is not None else [{"rank": 0, "address": "(single node)", "state": "self"}]
+        for row in peers:
+            why = getattr(self, "unresolved", {}).get(row["rank"])
+            if why and row["state"] not in ("ok", "connected") and "reason" not in row:
+                row["reason"] = why
         return {
             "version": __version__, "rank": self.rank, "world": self.world, "local_size": self.settings.local_size,
             "socket": self.socket_path, "cluster": self.settings.cluster, "codec": self.settings.codec,

@@ -6,7 +6,11 @@ Two ways to run it:
   daemon, and stops them at the end)::
 
       python examples/train_torch_cnn.py --nodes 2 --epochs 8
-      python examples/train_torch_cnn.py --nodes 2 --codec topk --codec-params '{"density": 0.1}' --momentum-in-codec
+      python examples/train_torch_cnn.py --nodes 2 --codec marsit
+
+  The adapter's recipe for the codec is on by default (``momentum_in_codec=None``: SGD's momentum
+  moves into a codec that has a momentum parameter); ``--no-momentum-in-codec`` turns it off,
+  ``--momentum-in-codec`` makes a codec without one an error.
 
 * real daemons (``birdnetd --peers hosts.txt`` on every node): run the same command on every node,
   pointing at the local daemon; add ``--local-size K`` processes per node to match the daemons'
@@ -54,16 +58,24 @@ def train(sock: str, node: int, local: int, cfg: dict) -> dict:
                 "bytes_sent": sent[0], "param_digest": _digits.digest(model)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    """The command line and the training configuration it makes."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _digits.add_arguments(p, job="digits-cnn", epochs=8)
     p.add_argument("--codec", default=None)
     p.add_argument("--codec-params", default="{}", help="JSON")
-    p.add_argument("--momentum-in-codec", action="store_true", help="move SGD's momentum into the codec")
+    p.add_argument("--momentum-in-codec", action=argparse.BooleanOptionalAction, default=None,
+                   help="the adapter's recipe: SGD's momentum moves into the codec (default: automatic, on for "
+                        "a codec with a momentum parameter; --momentum-in-codec requires it, "
+                        "--no-momentum-in-codec turns it off)")
     a = p.parse_args(argv)
-    cfg = {"job": a.job, "epochs": a.epochs, "batch": a.batch, "lr": a.lr, "seed": a.seed, "codec": a.codec,
-           "params": json.loads(a.codec_params) if a.codec else None, "momentum_in_codec": a.momentum_in_codec,
-           "progress": True}
+    return a, {"job": a.job, "epochs": a.epochs, "batch": a.batch, "lr": a.lr, "seed": a.seed, "codec": a.codec,
+               "params": json.loads(a.codec_params) if a.codec else None,
+               "momentum_in_codec": a.momentum_in_codec, "progress": True}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, cfg = parse(argv)
     if a.socket:
         res = [train(a.socket, -1, -1, cfg)]
     else:

@@ -224,3 +224,65 @@ def test_state_memory_is_reported():
     assert c.state_nbytes(c.new_state(n)) == 8 * n
     c = get_codec("efsign")
     assert c.state_nbytes(c.new_state(n)) == 4 * n
+
+
+# -- a non-finite value never enters codec state -------------------------------------------------
+# Every registry codec (and the momentum/compensation variants that keep more state) through the
+# daemon's own round runner (StateTxn, commit) on an in-memory ring of 2 nodes.
+NAN_SPECS = [(n, {}) for n in sorted(__import__("birdnet.codecs", fromlist=["names"]).names())] + [
+    ("topk", {"momentum": 0.9}), ("dgc", {"momentum": 0.9}), ("birdplus", {"momentum": 0.9}),
+    ("marsit", {"momentum": 0.9}), ("marsit", {"compensation": "global"}), ("efsign", {"momentum": 0.9}),
+    ("randomk", {"error_feedback": True, "momentum": 0.9})]
+NAN_N = 5003  # above the daemons' dense_threshold, so every codec compresses
+
+
+def run_rounds(codec, params, calls, world=2):
+    """``calls``: list of (seq, [x per node]); returns each call's result (node 0's; every node's
+    must be bit-identical)."""
+    from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateStore
+    from birdnet.daemon.warmup import _FrameRing
+
+    from birdnet.config import Settings
+    desc_codec = get_codec(codec, **params).describe()
+    runners = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+    outs = [[None] * len(calls) for _ in range(world)]
+
+    def node(t):
+        for i, (seq, xs) in enumerate(calls):
+            desc = {"kind": "allreduce", "name": "w", "shape": [NAN_N], "dtype": "float32", "op": "mean",
+                    "codec": desc_codec, "root": None}
+            part = Contribution(b"s", seq, xs[t.rank].copy(), 0, t.rank)
+            runners[t.rank].run(LocalRound(job="j", seq=seq, kind="allreduce", desc=desc, parts=[part]),
+                                t, t.rank, world, [1] * world)
+            outs[t.rank][i] = part.array.copy()
+
+    _FrameRing(world).run(node, timeout=120.0)
+    for r in range(1, world):
+        for a, b in zip(outs[0], outs[r]):
+            np.testing.assert_array_equal(a, b)
+    return outs[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,params", NAN_SPECS, ids=[f"{n}-{p}" for n, p in NAN_SPECS])
+def test_a_nan_call_leaves_no_trace_in_the_calls_after_it(name, params):
+    rng = np.random.default_rng(5)
+    clean = [(seq, [rng.standard_normal(NAN_N).astype(np.float32) for _ in range(2)]) for seq in range(6)]
+    reference = run_rounds(name, params, clean)
+    # a step whose gradients blew up whole (an overflow: every element NaN on every node), then one
+    # NaN element on node 0 (the common case): that call's result may carry NaN (nan_policy
+    # "propagate"); the calls after it are finite and of the same size as without it. After the
+    # blown call they are the same calls but for the elements that call "sent" (a NaN sent clears
+    # that element's residual, a finite state value: error feedback loses what it held there).
+    one = [rng.standard_normal(NAN_N).astype(np.float32) for _ in range(2)]
+    one[0][17] = np.nan
+    for bad, alike in (([np.full(NAN_N, np.nan, np.float32) for _ in range(2)], 0.9), (one, None)):
+        after = run_rounds(name, params, clean[:2] + [(1000, bad)] + clean[2:])
+        for i in range(2, 6):
+            assert np.isfinite(after[i + 1]).all(), \
+                f"call {i} after the NaN call has {np.count_nonzero(~np.isfinite(after[i + 1]))} NaN/Inf"
+            ratio = np.linalg.norm(after[i + 1]) / np.linalg.norm(reference[i])
+            assert 0.5 < ratio < 2.0, (i, ratio)
+            if alike is not None:
+                same = np.count_nonzero(after[i + 1] == reference[i]) / NAN_N
+                assert same >= alike, (i, same)

@@ -268,11 +268,48 @@ def test_codec_description_rebuilds_the_same_codec(name):
 
 
 def test_client_import_does_not_import_numba():
-    """Training processes must not pay for the JIT (numba is imported by codec modules only)."""
+    """Training processes must not pay for the JIT (Numba is imported by the kernel modules, at a codec's first use)."""
     import subprocess
     import sys
     code = ("import sys, birdnet, birdnet.client, birdnet.errors, birdnet.wire; "
             "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)[:5]")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_birdnet_codecs_shows_the_recommended_settings(capsys):
+    """Not only the defaults' momentum=0.0: what SGD(momentum=0.9) runs each codec with through
+    the adapter's recipe, and the recipes per optimizer."""
+    from birdnet import cli
+    assert cli.main(["codecs"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "momentum=0.9 " in rows["marsit"] and "momentum=0.9 " in rows["birdplus"]
+    assert "momentum=0.9, error_feedback=True" in rows["randomk"]
+    assert "momentum=0.9" not in rows["qsgd"] and "SGD keeps momentum" in rows["fp16"]
+    assert "Adam/AdamW:" in out and "momentum_in_codec=None" in out
+
+
+def test_codec_parameters_are_validated_without_numba():
+    """birdnet.codecs.validate: the daemons' own check (the same CodecError), in a training process
+    that never imports Numba or compiles a kernel."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from birdnet.codecs import validate, names\n"
+            "from birdnet.errors import CodecError\n"
+            "assert validate('birdplus', {'density': 0.05})['density'] == 0.05\n"
+            "assert all(isinstance(validate(n), dict) for n in names())\n"
+            "for name, params, says in [('birdplus', {'density': 2}, 'density must be a number in (0, 1]'),\n"
+            "        ('birdplus', {'gamma': 0.3}, 'gamma must be a multiple of 0.25'),\n"
+            "        ('marsit', {'densty': 0.1}, 'has no parameter densty'), ('nope', {}, 'unknown codec')]:\n"
+            "    try:\n"
+            "        validate(name, params)\n"
+            "    except CodecError as exc:\n"
+            "        assert says in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError((name, params))\n"
+            "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)[:5]\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 

@@ -167,6 +167,8 @@ class Deployment:
             "birdnet_codec": "none",
             "birdnet_extra_config": {"round_timeout": 120.0, "codec_params": {}},
             "birdnet_peer_allowed_networks": "hosts, 192.168.7.0/24",
+            # one configuration: the role's warm-up runs for real, without compiling all 23 here
+            "birdnet_kernel_warmup_codecs": ["efsign"],
         }
         values.update(more)
         return json.dumps(values)
@@ -328,6 +330,19 @@ def test_installed_birdnetd_version(deployment):
 
 
 @pytest.mark.slow
+def test_kernel_cache_is_warmed_as_the_service_user(deployment):
+    """The role ran `birdnet warmup` as the daemon's user: the configuration's stamp is in the cache
+    (the daemon then loads instead of compiling), and the files there belong to that user."""
+    stamps = list(deployment.cache_dir.glob("birdnet-warm-*/*"))
+    stamps = [p for p in stamps if not p.name.endswith(".lock")]
+    assert len(stamps) == 1, sorted(p.name for p in deployment.cache_dir.rglob("*"))[:20]
+    owners = {pwd.getpwuid(p.stat().st_uid).pw_name for p in deployment.cache_dir.rglob("*")}
+    assert owners == {deployment.user}, owners
+    assert any(p.suffix in (".nbi", ".nbc") for p in deployment.cache_dir.rglob("*")), "no Numba cache files"
+    out = deployment.runs[0].stdout
+    assert "Compile the codec kernels into the cache as the service user" in out
+
+
 def test_second_run_changes_nothing(deployment):
     d = deployment
     wheel = next((d.prefix / "wheels").glob("birdnet-*.whl"))

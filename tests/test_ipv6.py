@@ -3,6 +3,7 @@ between network namespaces on unique local addresses, on names that resolve to t
 link-local addresses with their interface."""
 from __future__ import annotations
 
+import re
 import time
 
 import fault_workers
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_hosts_file_ipv6_syntax():
-    peers = parse_hosts("[fd00:bd::1]:29500\n[fe80::12%eth0]:29501\nfd00::3:29502\nnode-a:29503\n")
+    peers = parse_hosts("[fd00:bd::1]:29500\n[fe80::12%eth0]:29501\n[fd00::3]:29502\nnode-a:29503\n")
     assert [p.host for p in peers] == ["fd00:bd::1", "fe80::12%eth0", "fd00::3", "node-a"]
     assert [p.endpoint() for p in peers] == ["tcp://[fd00:bd::1]:29500", "tcp://[fe80::12%eth0]:29501",
                                              "tcp://[fd00::3]:29502", "tcp://node-a:29503"]
@@ -27,8 +28,10 @@ def test_hosts_file_ipv6_syntax():
         parse_hosts("[node-a]:29500\n")
     with pytest.raises(ConfigError, match="not an IPv6 address"):
         parse_hosts("[fe80::12%]:29500\n")
-    with pytest.raises(ConfigError, match="not an IPv6 address"):
+    with pytest.raises(ConfigError, match="in brackets"):
         parse_hosts("fe80:zz::1:29500\n")
+    with pytest.raises(ConfigError, match=re.escape("write an IPv6 address in brackets, [::1]:29631")):
+        parse_hosts("::1:29631\n")  # the README's way to write it is [::1]:29631
 
 
 def _states(cl: LocalCluster) -> list[str]:

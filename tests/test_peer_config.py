@@ -181,3 +181,59 @@ def test_two_daemons_with_one_rank_are_refused_by_name_in_elastic_mode(tmp_path)
             other.kill()
             other.wait(5)
         cl.stop()
+
+
+def test_cli_rough_edges(tmp_path):
+    """A hosts-file name that does not resolve is named in the log and in `birdnet status`;
+    `birdnet status` into a closed pipe prints no traceback; the socket a killed daemon left fails
+    at once as stale; --help of both commands shows the default socket the client uses."""
+    from cluster import free_ports
+
+    from birdnet.errors import DaemonUnavailableError
+    env = {k: v for k, v in os.environ.items() if k not in ("BIRDNET_SOCKET", "XDG_RUNTIME_DIR")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    default = subprocess.run([sys.executable, "-c", "from birdnet.client._connection import default_socket as d; "
+                              "print(d())"], capture_output=True, text=True, env=env, timeout=60).stdout.strip()
+    assert default
+    for cmd in (["birdnet.daemon.main", "--help"], ["birdnet.cli", "status", "--help"]):
+        text = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, env=env, timeout=60).stdout
+        assert f"default here: {default};" in " ".join(text.split()), text
+
+    p0, p1 = free_ports(2)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1:{p0}\nno-such-host.invalid:{p1}\n")
+    sock = str(tmp_path / "d.sock")
+    with open(tmp_path / "d.log", "wb") as log:
+        d = subprocess.Popen([sys.executable, "-m", "birdnet.daemon.main", "--peers", str(hosts), "--rank", "0",
+                              "--socket", sock, "--kernel-warmup", "used"], stdout=log, stderr=subprocess.STDOUT,
+                             env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            assert d.poll() is None and time.monotonic() < deadline, (tmp_path / "d.log").read_text()[-3000:]
+            time.sleep(0.1)
+        assert "'no-such-host.invalid' (rank 1) does not resolve" in (tmp_path / "d.log").read_text()
+        out = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", sock], capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert "no-such-host.invalid" in out.stdout and "does not resolve" in out.stdout, out.stdout + out.stderr
+        for _ in range(3):  # the reader gone before the first line: a write into a broken pipe
+            r, w = os.pipe()
+            os.close(r)
+            try:
+                st = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", sock], stdout=w,
+                                    stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+            finally:
+                os.close(w)
+            assert "BrokenPipeError" not in st.stderr and "Traceback" not in st.stderr, st.stderr
+    finally:
+        d.kill()
+        d.wait(15)
+    assert os.path.exists(sock)  # SIGKILL: nobody removed it
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailableError, match=re.escape(f"no daemon is listening on {sock} (stale socket")):
+        Client(sock, job="x", connect_timeout=5.0)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s hello timeout
+    out = subprocess.run([sys.executable, "-m", "birdnet.cli", "status", "--socket", sock], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert out.returncode == 1 and "stale socket" in out.stderr and "--socket PATH" in out.stderr, out.stderr
+    os.unlink(sock)

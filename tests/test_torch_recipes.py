@@ -8,6 +8,7 @@ after the warm-up. The real-daemon test trains AdamW through 2 daemons with mars
 both processes end bit-identical, including across a state_dict() round trip."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -557,3 +558,52 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
     assert a["carry_restarted"] and a["reset_pending"] and a["reset_done"]
     assert a["replay"][-1] != a["digests"][-1]
     assert np.linalg.norm(a["final_after_restore"] - a["saved"]) > 0
+
+
+def test_the_cnn_example_leaves_the_recipe_automatic_unless_told(monkeypatch):
+    """examples/train_torch_cnn.py must not switch the adapter's recipe off by default (it trains
+    marsit to about 70% instead of about 95% without it)."""
+    import pathlib
+    import sys
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    monkeypatch.delitem(sys.modules, "train_torch_cnn", raising=False)
+    import train_torch_cnn
+    assert train_torch_cnn.parse(["--codec", "marsit"])[1]["momentum_in_codec"] is None
+    assert train_torch_cnn.parse(["--codec", "marsit", "--momentum-in-codec"])[1]["momentum_in_codec"] is True
+    assert train_torch_cnn.parse(["--codec", "marsit", "--no-momentum-in-codec"])[1]["momentum_in_codec"] is False
+
+
+@pytest.mark.parametrize("codec,params,says", [("birdplus", {"density": 2}, "density must be a number in (0, 1]"),
+                                               ("birdpluss", {}, "unknown codec 'birdpluss'")])
+def test_bad_codec_parameters_fail_at_construction_without_a_warning_first(codec, params, says):
+    """Before any connection, warm-up step or recipe warning: the daemons' own message."""
+    from birdnet.client.torch_dist import HookState
+
+    from birdnet.errors import CodecError
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "has no momentum parameter, so nothing is arranged" would raise
+        with pytest.raises(CodecError, match=re.escape(says)):
+            bnt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(), codec=codec, codec_params=params,
+                                     socket="/nonexistent/birdnetd.sock")
+        opt = torch.optim.SGD([{"params": model.parameters(), "birdnet_codec": codec,
+                                "birdnet_codec_params": params}], lr=0.1)
+        with pytest.raises(CodecError, match=re.escape(says)):
+            bnt.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                     socket="/nonexistent/birdnetd.sock")
+        with pytest.raises(CodecError, match=re.escape(says)):
+            HookState(codec=codec, codec_params=params, socket="/nonexistent/birdnetd.sock")
+
+
+def test_the_client_refuses_bad_codec_parameters_and_dtypes_before_a_round(one_node):
+    from birdnet.errors import CodecError, InputError
+    x = np.ones(5000, np.float32)
+    with pytest.raises(CodecError, match=re.escape("density must be a number in (0, 1]")):
+        one_node.allreduce(x, name="w", codec="birdplus", density=2)
+    with pytest.raises(InputError, match=re.escape("cast it: array.astype(np.float32)")):
+        one_node.allreduce(np.ones(8, np.int8), name="i8", op="sum")
+    with pytest.raises(InputError, match=re.escape("pass op='sum'")):
+        one_node.allreduce(np.ones(8, np.int32), name="i32")
+    np.testing.assert_array_equal(one_node.allreduce(np.ones(8, np.int32), name="i32", op="sum"), np.ones(8))
+    np.testing.assert_array_equal(one_node.allreduce(x, name="w", codec="birdplus", density=0.5).shape, x.shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -250,3 +251,20 @@ def test_warm_needs_a_session_and_is_bounded(tmp_path):
     asked.pop()
     service.Daemon.handle_warm(fake, b"id", {"t": "warm", "call": 3, "codec": "qsgd", "params": {"levels": 3}})
     assert replies == [{"t": "warm", "call": 3, "ready": False}]
+
+
+def test_birdnet_warmup_command_reports_and_stamps(tmp_path):
+    """`birdnet warmup` (the documented command the Ansible role runs): a line per configuration with
+    its time, a total, and on a second run nothing compiled again."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "birdnet.cli", "warmup", "--codec", "none"]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert f"warming 1 codec configurations into {tmp_path / 'cache'} (0 done already)" in first.stdout
+    assert re.search(r"\[ 1/1\] none\s+[\d.]+ s, \d+ kernel\(s\) compiled", first.stdout), first.stdout
+    assert re.search(r"^done in [\d.]+ s", first.stdout, re.M), first.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert "(1 done already)" in again.stdout and "cached already" in again.stdout, again.stdout
+    bad = subprocess.run([sys.executable, "-m", "birdnet.cli", "warmup", "--codec", 'birdplus:{"density": 2}'],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1 and "FAILED: CodecError" in bad.stdout and "density" in bad.stdout, bad.stdout

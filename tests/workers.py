@@ -87,6 +87,24 @@ def codec_rounds(sock, node, local, specs, n, rounds):
     return out
 
 
+def nan_then_clean_rounds(sock, node, local, specs, n, rounds):
+    """For each (codec, params): one clean call, one with a NaN on rank 0, ``rounds`` clean calls;
+    returns the results (the daemons' default nan_policy, "propagate")."""
+    out = {}
+    with Client(sock, job="nan") as c:
+        for name, params in specs:
+            rng = np.random.default_rng(7 + c.rank)
+            res = []
+            for r in range(rounds + 2):
+                x = rng.standard_normal(n).astype(np.float32)
+                if r == 1 and c.rank == 0:
+                    x[n // 3] = np.nan
+                res.append(c.allreduce(x, name=f"{name}/t", codec=name, timeout=60, **params))
+            c.reset_state()
+            out[name + repr(sorted(params.items()))] = res
+    return out
+
+
 def batch_of_async_rounds(sock, node, local, count, bad_index):
     """``count`` all-reduces in flight at once; on node 2 the one at ``bad_index`` has another
     shape. Returns per-round (ok, value-or-error) and the daemon's status."""

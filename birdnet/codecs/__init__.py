@@ -69,4 +69,21 @@ def get_codec(name: str, **params: Any) -> Codec:
     return codec_class(name)(**params)
 
 
-__all__ = ["Codec", "Pattern", "Payload", "RoundContext", "WIRE_FORMATS", "get_codec", "names", "codec_class"]
+def validate(name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check a codec name and its parameters exactly as the daemons do (the same
+    :class:`CodecError` and message) and return the parameters completed with the codec's defaults.
+
+    It compiles and loads no kernel and imports no Numba (codec modules import their kernels at
+    first use), so training processes call it when they are configured: the PyTorch adapter's
+    ``DistributedOptimizer`` and ``HookState`` at construction, ``Client.allreduce`` before its first
+    round with a codec, instead of failing at the first compressed step on every rank."""
+    if not isinstance(name, str):
+        raise CodecError(f"codec must be a name (one of: {', '.join(names())}), not {name!r}")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise CodecError(f"codec {name!r}: its parameters must be a dict of names to values, not {params!r}")
+    return dict(get_codec(name, **params).params)
+
+
+__all__ = ["Codec", "Pattern", "Payload", "RoundContext", "WIRE_FORMATS", "get_codec", "names", "codec_class", "validate"]

@@ -42,8 +42,10 @@ from birdnet.codecs import _common as C
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
 from birdnet.codecs.topk import density_param
 from birdnet.errors import CodecError, RoundMismatchError
-from birdnet.kernels import blocks as B
-from birdnet.kernels import rng
+from birdnet.kernels import lazy
+
+B = lazy("blocks")
+rng = lazy("rng")
 
 _SCALES = ("exact", "capped", "none")
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import threading
 from typing import Any, ClassVar
 
@@ -297,11 +298,41 @@ class StateTxn(dict):
     def commit(self) -> None:
         for key in self._touched:
             old = self._state.get(key)
-            new = dict.__getitem__(self, key)
+            new = finite_state(dict.__getitem__(self, key), old)
             self._state[key] = new
             if isinstance(old, np.ndarray) and old is not new:
                 _spares.give(old)
         self._touched.clear()
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """True when ``a`` holds no NaN or Inf. One summing pass (NaN and Inf carry through a sum; it
+    costs half of ``np.isfinite(a).all()``); a sum that overflowed is checked element by element."""
+    if a.size == 0:
+        return True
+    acc = np.float64 if a.dtype == np.float64 else np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.add.reduce(a.reshape(-1), dtype=acc)):
+            return True
+    return bool(np.isfinite(a).all())
+
+
+def finite_state(new: Any, old: Any) -> Any:
+    """What a round commits for one state entry: ``new``, except where it is NaN or Inf, which keep
+    the committed value ``old`` (0 for an entry the round created). Error feedback, momentum and
+    compensation are sums over rounds: a non-finite value that entered them (a NaN in one call's
+    gradient, or in another node's contribution through the result) would come out of every later
+    call, under any nan_policy. So the elements a round made non-finite are left as they were; the
+    round's own result still carries the NaN (nan_policy="propagate"), later calls do not.
+    The same on every node for state derived from the round's result (shared-mode selections)."""
+    if isinstance(new, np.ndarray):
+        if new.dtype.kind != "f" or _all_finite(new):
+            return new
+        keep = old if isinstance(old, np.ndarray) and old.shape == new.shape and old.dtype == new.dtype else 0
+        return np.where(np.isfinite(new), new, keep).astype(new.dtype, copy=False)
+    if isinstance(new, float) and not math.isfinite(new):
+        return old if isinstance(old, (int, float)) and math.isfinite(old) else 0.0
+    return new
 
 
 def peek(state: dict[str, Any], key: str) -> Any:

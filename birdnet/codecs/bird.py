@@ -20,7 +20,9 @@ import numpy as np
 from birdnet.codecs._blocksampling import BlockSamplingCodec
 from birdnet.codecs.base import RoundContext
 from birdnet.errors import CodecError
-from birdnet.kernels import blocks as B
+from birdnet.kernels import lazy
+
+B = lazy("blocks")
 
 _STAGE2 = 0x5DEECE66D  # separates the stage-2 stream from the stage-1 stream of the same seed
 

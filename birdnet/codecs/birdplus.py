@@ -20,8 +20,10 @@ import numpy as np
 from birdnet.codecs._blocksampling import BlockSamplingCodec, kept_blocks
 from birdnet.codecs.base import RoundContext
 from birdnet.errors import CodecError
-from birdnet.kernels import blocks as B
-from birdnet.kernels import rng
+from birdnet.kernels import lazy
+
+B = lazy("blocks")
+rng = lazy("rng")
 
 
 class BirdPlusCodec(BlockSamplingCodec):
@@ -34,11 +36,11 @@ class BirdPlusCodec(BlockSamplingCodec):
 
     def validate(self, params: dict[str, Any]) -> dict[str, Any]:
         g = params["gamma"]
-        try:
-            B.gamma_quarters(g) if not isinstance(g, bool) else B.gamma_quarters("x")
-        except (ValueError, TypeError):
+        # the kernels' own check (birdnet.kernels.weights.gamma_quarters), here without importing them
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g * 4.0 <= 256.0 \
+                or g * 4.0 != int(g * 4.0):
             raise CodecError(f"codec 'birdplus': gamma must be a multiple of 0.25 in [0, 64] (computed "
-                             f"with multiplications and square roots only), got {g!r}") from None
+                             f"with multiplications and square roots only), got {g!r}")
         params["gamma"] = float(g)
         return super().validate(params)
 

@@ -16,7 +16,9 @@ from birdnet.codecs import _common as C
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
 from birdnet.codecs.topk import _validated_sparse, count_for, density_param
 from birdnet.errors import CodecError
-from birdnet.kernels import sparse
+from birdnet.kernels import lazy
+
+sparse = lazy("sparse")
 
 
 class DGCCodec(Codec):

@@ -41,7 +41,9 @@ import numpy as np
 
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
 from birdnet.errors import CodecError, ProtocolError
-from birdnet.kernels import signbits as sb
+from birdnet.kernels import lazy
+
+sb = lazy("signbits")
 
 _COMPENSATIONS = ("global", "local", "none")
 _SCALES = ("mean_abs", "rms", "mean_abs_grad", "fixed")

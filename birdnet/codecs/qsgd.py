@@ -15,7 +15,9 @@ import numpy as np
 from birdnet.codecs import _common as C
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
 from birdnet.errors import CodecError
-from birdnet.kernels import quant
+from birdnet.kernels import lazy
+
+quant = lazy("quant")
 
 
 class QSGDCodec(Codec):

@@ -17,7 +17,9 @@ from birdnet.codecs import _common as C
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
 from birdnet.codecs.topk import count_for, density_param
 from birdnet.errors import CodecError, RoundMismatchError
-from birdnet.kernels import rng, sparse
+from birdnet.kernels import lazy
+
+rng, sparse = lazy("rng"), lazy("sparse")
 
 
 class RandomKCodec(Codec):

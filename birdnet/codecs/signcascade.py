@@ -22,7 +22,9 @@ import numpy as np
 from birdnet.codecs.base import Payload, RoundContext
 from birdnet.codecs.marsit import SignRingCodec
 from birdnet.errors import ProtocolError
-from birdnet.kernels import signbits as sb
+from birdnet.kernels import lazy
+
+sb = lazy("signbits")
 
 
 class SignCascadeCodec(SignRingCodec):

@@ -14,7 +14,9 @@ import numpy as np
 from birdnet.codecs import _common as C
 from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext
 from birdnet.errors import CodecError
-from birdnet.kernels import sparse
+from birdnet.kernels import lazy
+
+sparse = lazy("sparse")
 
 
 def density_param(codec: str, params: dict[str, Any]) -> float:
