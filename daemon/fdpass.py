@@ -6,16 +6,17 @@ client socket (SCM_RIGHTS; the client socket is ZeroMQ and cannot pass descripto
 one-time token from its alloc's reply. Here too: what the kernel says about the process at the other
 end of a connection (SO_PEERCRED, ZMQ_SRCFD), which both this socket and the client socket use.
 
-:class:`FdPassing` is part of :class:`birdnet.daemon.service.Daemon` (its state lives on the daemon:
-``fd_listener``, ``fd_tokens``, ``fd_pending``; it reads ``sessions`` and ``poller``).
+:class:`FdServer` is the daemon's ``fds``; the daemon's loop polls its descriptors.
 """
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -28,46 +29,55 @@ log = logging.getLogger("birdnet.daemon")
 MAX_SOCKET_PATH = 107  #: bytes of a Unix socket path (sun_path minus its terminating NUL, Linux)
 
 
-class FdPassing:
-    """The memfd side socket's part of the daemon."""
+class FdServer:
+    """The memfd side socket: a Unix seqpacket socket beside the client socket (same mode and
+    group) through which a process of another user fetches its sealed segments (SCM_RIGHTS; the
+    client socket is ZeroMQ and cannot pass descriptors), one token per segment. ``listener`` is
+    None where it could not be opened (no sealing, a path too long): such processes get named
+    files. The daemon's loop polls ``listener`` and the accepted connections (:meth:`handle`)."""
 
-    socket_path: str
-    sealed: bool
-    gid: int | None
-    sessions: dict[bytes, Any]
-    poller: Any
-
-    # -- the memfd side socket ----------------------------------------------------------------------
-    def _open_fd_socket(self) -> None:
-        """A Unix seqpacket socket beside the client socket (same mode and group) through which a
-        process of another user fetches its sealed segments (SCM_RIGHTS; the client socket is
-        ZeroMQ and cannot pass descriptors). Without it such processes get named files."""
-        self.fd_listener: socket.socket | None = None
-        self.fd_tokens: dict[str, tuple[bytes, Segment]] = {}  #: one-time token -> (session, segment)
-        self.fd_pending: dict[int, tuple[socket.socket, float]] = {}  #: accepted, token not read yet
-        self.fd_socket_path = self.socket_path + ".shm"
-        if not self.sealed or len(os.fsencode(self.fd_socket_path)) > MAX_SOCKET_PATH:
+    def __init__(self, socket_path: str, sealed: bool, gid: int | None) -> None:
+        self.listener: socket.socket | None = None
+        self.tokens: dict[str, tuple[bytes, Segment]] = {}  #: one-time token -> (session, segment)
+        self.pending: dict[int, tuple[socket.socket, float]] = {}  #: accepted, token not read yet
+        self.path = socket_path + ".shm"
+        if not sealed or len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
             return
         try:
-            if os.path.exists(self.fd_socket_path):
-                os.unlink(self.fd_socket_path)
+            if os.path.exists(self.path):
+                os.unlink(self.path)
             lst = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            old = os.umask(0o117 if self.gid is not None else 0o177)
+            old = os.umask(0o117 if gid is not None else 0o177)
             try:
-                lst.bind(self.fd_socket_path)
+                lst.bind(self.path)
             finally:
                 os.umask(old)
-            if self.gid is not None:
-                os.chown(self.fd_socket_path, -1, self.gid)
+            if gid is not None:
+                os.chown(self.path, -1, gid)
             lst.listen(64)
             lst.setblocking(False)
-            self.fd_listener = lst
+            self.listener = lst
         except OSError as exc:
             log.warning("no memfd side socket at %s (%s): processes of other users get named segments",
-                        self.fd_socket_path, exc)
+                        self.path, exc)
 
-    def handle_fd_requests(self, events: dict) -> None:
-        lst = self.fd_listener
+    def offer(self, identity: bytes, seg: Segment) -> str:
+        """The one-time token with which session ``identity``'s process fetches ``seg``."""
+        token = secrets.token_hex(16)
+        self.tokens[token] = (identity, seg)
+        return token
+
+    def forget(self, identity: bytes) -> None:
+        """Session ``identity`` ended, or its process has its segment open: its tokens go."""
+        for t in [t for t, (i, _seg) in self.tokens.items() if i == identity]:
+            del self.tokens[t]
+
+    def handle(self, events: dict, poller: Any, session_of: Callable[[bytes], Any]) -> None:
+        """Accept what ``events`` (of ``poller``) says is waiting, answer the tokens that came, close
+        connections that sent none within 2 s. ``session_of``: the session of an identity, or None."""
+        lst = self.listener
+        if lst is None:
+            return
         if lst.fileno() in events:
             for _ in range(64):
                 try:
@@ -76,14 +86,14 @@ class FdPassing:
                     break
                 except OSError:
                     break
-                if len(self.fd_pending) >= 256:  # a flood: the oldest waiting one goes
-                    self._close_fd_conn(next(iter(self.fd_pending)))
+                if len(self.pending) >= 256:  # a flood: the oldest waiting one goes
+                    self._close_conn(next(iter(self.pending)), poller)
                 conn.setblocking(False)
-                self.fd_pending[conn.fileno()] = (conn, time.monotonic() + 2.0)
-                self.poller.register(conn.fileno(), zmq.POLLIN)
+                self.pending[conn.fileno()] = (conn, time.monotonic() + 2.0)
+                poller.register(conn.fileno(), zmq.POLLIN)
         now = time.monotonic()
-        for fd in list(self.fd_pending):
-            conn, deadline = self.fd_pending[fd]
+        for fd in list(self.pending):
+            conn, deadline = self.pending[fd]
             if fd in events:
                 try:
                     token = conn.recv(64).decode("ascii", "replace")
@@ -91,17 +101,29 @@ class FdPassing:
                     continue
                 except OSError:
                     token = ""
-                self._send_memfd(conn, token)
-                self._close_fd_conn(fd)
+                self._send_memfd(conn, token, session_of)
+                self._close_conn(fd, poller)
             elif now > deadline:
-                self._close_fd_conn(fd)
+                self._close_conn(fd, poller)
 
-    def _send_memfd(self, conn: socket.socket, token: str) -> None:
-        entry = self.fd_tokens.pop(token, None)
+    def close(self, poller: Any) -> None:
+        """Close the connections waiting and the listener, and remove the socket file."""
+        if self.listener is None:
+            return
+        for fd in list(self.pending):
+            self._close_conn(fd, poller)
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def _send_memfd(self, conn: socket.socket, token: str, session_of: Callable[[bytes], Any]) -> None:
+        entry = self.tokens.pop(token, None)
         if entry is None:
             return
         identity, seg = entry
-        s = self.sessions.get(identity)
+        s = session_of(identity)
         pid = peer_pid(conn.fileno())
         if s is None or seg.fd is None or pid != s.pid:  # only to the session's own process
             log.info("memfd request refused: token of pid %s presented by pid %s", s.pid if s else None, pid)
@@ -115,17 +137,14 @@ class FdPassing:
         if s.unmapped is seg:
             s.unmapped = None
 
-    def _close_fd_conn(self, fd: int) -> None:
-        conn, _ = self.fd_pending.pop(fd)
-        try:
-            self.poller.unregister(fd)
-        except KeyError:
-            pass
+    def _close_conn(self, fd: int, poller: Any) -> None:
+        conn, _ = self.pending.pop(fd)
+        if poller is not None:
+            try:
+                poller.unregister(fd)
+            except KeyError:
+                pass
         conn.close()
-
-    def _forget_tokens(self, identity: bytes) -> None:
-        for t in [t for t, (i, _seg) in self.fd_tokens.items() if i == identity]:
-            del self.fd_tokens[t]
 
 
 def peer_pid(fd: int) -> int | None:

@@ -47,7 +47,7 @@ import zmq
 from birdnet.daemon import notify
 from birdnet.daemon.calls import MAX_WARM_REQUESTS, Calls, _call_of, _nudge
 from birdnet.daemon.engine import LocalRound, RingWorker, RoundRunner, StateStore
-from birdnet.daemon.fdpass import MAX_SOCKET_PATH, FdPassing, peer_credentials, source_fd
+from birdnet.daemon.fdpass import MAX_SOCKET_PATH, FdServer, peer_credentials, source_fd
 from birdnet.daemon.sessions import (
     FDS_PER_SESSION,
     MAX_SESSIONS,
@@ -75,7 +75,7 @@ __all__ = ["Daemon", "FDS_PER_SESSION", "MAX_SESSIONS", "MAX_SILENT_PER_PROCESS"
            "session_limits", "source_fd"]
 
 
-class Daemon(Sessions, Calls, FdPassing):
+class Daemon(Sessions, Calls):
     """birdnetd: one per node (``birdnetd --peers hosts.txt``); ``serve_forever`` runs it."""
 
     def __init__(self, settings: Settings) -> None:
@@ -115,6 +115,7 @@ class Daemon(Sessions, Calls, FdPassing):
         self.figures = RoundFigures()
         self.zap = None  #: the peer port's ZAP handler (CURVE keys and/or peer_allowed_networks)
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
+        self.fds: FdServer | None = None  #: the memfd side socket (set up with the client socket)
         self.max_sessions, self.max_connections = session_limits(self.world)
         self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
         #: compiles the codecs' kernels off the ring thread (daemon/warmup.py); submits whose codec is
@@ -214,6 +215,10 @@ class Daemon(Sessions, Calls, FdPassing):
             signal.signal(sig, lambda s, _f: self.signals.append(s))
         log.info("birdnetd %s: rank %d of %d, clients on %s", __version__, self.rank, self.world, self.socket_path)
 
+    def _open_fd_socket(self) -> None:
+        """The memfd side socket (daemon/fdpass.py), opened right after the client socket's bind."""
+        self.fds = FdServer(self.socket_path, self.sealed, self.gid)
+
     def _start_warmup(self) -> None:
         """Kernels compile in a subprocess and load in a warm-up thread, never on the ring thread
         (daemon/warmup.py); the default codec first. Its parameters are checked there too: importing
@@ -243,8 +248,8 @@ class Daemon(Sessions, Calls, FdPassing):
         poller.register(self.clients, zmq.POLLIN)
         poller.register(self.wake_rx, zmq.POLLIN)
         poller.register(self.conn_monitor, zmq.POLLIN)
-        if self.fd_listener is not None:
-            poller.register(self.fd_listener.fileno(), zmq.POLLIN)
+        if self.fds.listener is not None:
+            poller.register(self.fds.listener.fileno(), zmq.POLLIN)
         watchdog = notify.watchdog_interval()
         last_watchdog = last_reap = 0.0
         last_status = ""
@@ -268,8 +273,8 @@ class Daemon(Sessions, Calls, FdPassing):
                         self.handle_client(frames)
                 if self.conn_monitor in events:
                     self.handle_connections()
-                if self.fd_listener is not None:
-                    self.handle_fd_requests(events)
+                if self.fds.listener is not None:
+                    self.fds.handle(events, poller, self.sessions.get)
                 for fd in [e for e in events if isinstance(e, int) and e in self.bells]:
                     self.handle_bell(self.bells[fd])
                 if self.wake_rx in events:
@@ -369,7 +374,7 @@ class Daemon(Sessions, Calls, FdPassing):
             # alloc may be read after it.)
             s.unmapped.release_fd()
             s.unmapped = None
-            self._forget_tokens(identity)
+            self.fds.forget(identity)
         hello = header.get("t") == "hello"
         fd = source_fd(frames[1])
         if fd is not None:
@@ -519,14 +524,8 @@ class Daemon(Sessions, Calls, FdPassing):
         for sock in ("conn_monitor", "clients", "wake_rx", "wake_tx", "ring_wake_rx", "ring_wake_tx"):
             if hasattr(self, sock):
                 getattr(self, sock).close(0)
-        if getattr(self, "fd_listener", None) is not None:
-            for fd in list(self.fd_pending):
-                self._close_fd_conn(fd)
-            self.fd_listener.close()
-            try:
-                os.unlink(self.fd_socket_path)
-            except OSError:
-                pass
+        if self.fds is not None:
+            self.fds.close(self.poller)
         try:
             os.unlink(self.socket_path)
         except OSError:

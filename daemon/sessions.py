@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import secrets
 import socket
 import time
 from collections import deque
@@ -227,20 +226,19 @@ class Sessions:
             # opens it through /proc, which the kernel allows its own user and root
             seg = Segment.sealed(nbytes)
             s.unmapped = seg
-        elif self.sealed and s.uid is not None and self.fd_listener is not None:
+        elif self.sealed and s.uid is not None and self.fds.listener is not None:
             # a process of another user (--shm-group): /proc/<our pid>/fd is closed to it, so it
             # fetches the memfd through the side socket (SCM_RIGHTS), with a one-time token
             seg = Segment.sealed(nbytes)
             s.unmapped = seg
-            token = secrets.token_hex(16)
-            self.fd_tokens[token] = (identity, seg)
+            token = self.fds.offer(identity, seg)
         else:  # no sealing, no peer credentials: a named file
             seg = Segment(new_name(self.shm_prefix), nbytes, create=True,
                           mode=0o660 if self.gid is not None else 0o600, gid=self.gid)
         s.segments[slot] = seg
         reply = {"t": "shm", "call": h.call, "slot": slot, "name": seg.name, "nbytes": nbytes}
         if token is not None:
-            reply["fdsock"], reply["token"], reply["inode"] = self.fd_socket_path, token, seg.inode
+            reply["fdsock"], reply["token"], reply["inode"] = self.fds.path, token, seg.inode
         elif seg.fd is not None:
             reply["path"], reply["inode"] = seg.path, seg.inode
         self.reply(identity, reply)
@@ -370,8 +368,8 @@ class Sessions:
                 j.pending_since.pop(seq, None)
             if not j.sessions:
                 del self.jobs[s.job]
-        if hasattr(self, "fd_tokens"):
-            self._forget_tokens(identity)
+        if self.fds is not None:
+            self.fds.forget(identity)
         for seg in s.segments.values():
             seg.unlink()
             seg.close()
