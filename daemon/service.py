@@ -40,7 +40,6 @@ import os
 import queue
 import signal
 import time
-from collections import deque
 from typing import Any
 
 import zmq
@@ -53,6 +52,7 @@ from birdnet.daemon.sessions import (
     MAX_SESSIONS,
     MAX_SILENT_PER_PROCESS,
     RESERVED_FDS,
+    Connections,
     Job,
     Session,
     Sessions,
@@ -116,12 +116,13 @@ class Daemon(Sessions, Calls):
         self.zap = None  #: the peer port's ZAP handler (CURVE keys and/or peer_allowed_networks)
         self.sealed = sealing_available()  #: hand out sealed memfds (birdnet.shm.Segment.sealed)
         self.fds: FdServer | None = None  #: the memfd side socket (set up with the client socket)
+        self.conns: Connections | None = None  #: client connections by descriptor (set up with the socket)
         self.max_sessions, self.max_connections = session_limits(self.world)
         self.warned_jobs: set[str] = set()  #: jobs told that unnamed calls run without error feedback
         #: compiles the codecs' kernels off the ring thread (daemon/warmup.py); submits whose codec is
-        #: not warm yet wait in ``parked`` (arrival, identity, header, codec, params), in order
+        #: not warm yet wait in ``parked`` (arrival, identity, request, codec, params), in order
         self.warmer: Any = None
-        self.parked: collections.deque[tuple[float, bytes, dict[str, Any], Any, Any]] = collections.deque()
+        self.parked: collections.deque[tuple[float, bytes, Submit, Any, Any]] = collections.deque()
         self.fatal: str | None = None  #: a start-up error found after start (a bad default codec): exit 2
 
     # -- start-up ---------------------------------------------------------------------------------
@@ -167,16 +168,8 @@ class Daemon(Sessions, Calls):
         finally:
             os.umask(old)
         self._open_fd_socket()
-        #: descriptor -> [peer pid or None, accepted at, has said something (a message came over it)]
-        self.connections: dict[int, list[Any]] = {}
-        #: pid -> times its connections were dropped for saying nothing (SILENT_STRIKES)
-        self.silent_strikes: dict[int, deque[float]] = {}
-        #: whether libzmq names the descriptor a message came over (ZMQ_SRCFD, source_fd); without
-        #: it a connection counts as speaking once its process has a session
-        self.fd_of_messages = False
-        self.connections_closed = 0  #: since malloc last handed memory back
-        self.connections_dropped = 0  #: by this daemon (idle, or over max_connections)
-        self._drop_logged, self._drops_at_log = 0.0, 0
+        self.conns = Connections(self.conn_monitor, self.socket_path, self.max_connections,
+                                 self.settings.hello_timeout)
         if self.gid is not None:
             os.chown(self.socket_path, -1, self.gid)
         self.wake_rx = self.ctx.socket(zmq.PULL)
@@ -299,8 +292,8 @@ class Daemon(Sessions, Calls):
                         self.reap_sessions()
                         self.expire_pending()
                         self.drop_idle_connections()
-                        if self.connections_closed >= 64:  # a burst of them ended
-                            self.connections_closed = 0
+                        if self.conns.closed >= 64:  # a burst of them ended
+                            self.conns.closed = 0
                             release_freed_memory()
                     except Exception:  # noqa: BLE001 - a bad session must not stop the loop serving the others
                         log.exception("reaping client sessions failed")
@@ -378,12 +371,7 @@ class Daemon(Sessions, Calls):
         hello = header.get("t") == "hello"
         fd = source_fd(frames[1])
         if fd is not None:
-            self.fd_of_messages = True
-            if fd not in self.connections:
-                self.handle_connections()  # its accept is reported before its first message: take it
-            conn = self.connections.get(fd)
-            if conn is not None:
-                conn[2] = True  # it has said something (drop_idle_connections)
+            self.conns.spoke(fd, self.handle_connections)
         creds = peer_credentials(frames[1]) if hello else None
         self.dispatch(identity, header, ("hello", "alloc", "submit", "status", "warm", "bye"), creds,
                       fd if hello else None)
@@ -478,8 +466,8 @@ class Daemon(Sessions, Calls):
             "bytes_received": self.net.bytes_received if self.net else 0,
             # from the left neighbour (elastic mode: any peer), on TCP connections that broke (PeerNet.take_gap)
             "messages_lost": self.net.messages_lost if self.net else 0,
-            "client_connections": len(getattr(self, "connections", ())),
-            "client_connections_dropped": getattr(self, "connections_dropped", 0),
+            "client_connections": len(self.conns) if self.conns is not None else 0,
+            "client_connections_dropped": self.conns.dropped if self.conns is not None else 0,
             "max_sessions": self.max_sessions,
             "state_bytes": self.states.total_bytes(),
             # codec state per job (tensors, bytes) and what the cap made room for (StateStore)

@@ -5,7 +5,8 @@ within its descriptor limit whatever processes do.
 
 :class:`Sessions` is part of :class:`birdnet.daemon.service.Daemon`: it handles ``hello`` and
 ``alloc`` and ends sessions; the daemon's main loop calls ``handle_connections``,
-``drop_idle_connections`` and ``reap_sessions``.
+``drop_idle_connections`` and ``reap_sessions``. :class:`Connections` is the descriptor accounting
+(the daemon's ``conns``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import os
 import socket
 import time
 from collections import deque
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import zmq
 from birdnet.daemon.engine import Contribution
@@ -123,7 +125,7 @@ class Sessions:
                 log.info("hello of job %r says pid %d, the kernel says pid %d (uid %d): taking the kernel's",
                          job, pid, kernel_pid, uid)
             pid = kernel_pid
-        conn = self.connections.get(fd) if fd is not None else None
+        conn = self.conns.get(fd) if fd is not None else None
         if drained and fd is not None and (conn is None or conn[0] not in (None, pid)):
             # the connection closed before its hello was read (the process gave up waiting,
             # connect_timeout): a session now could never hear from it again, and the disconnect
@@ -243,97 +245,18 @@ class Sessions:
             reply["path"], reply["inode"] = seg.path, seg.inode
         self.reply(identity, reply)
 
-    # -- connections ------------------------------------------------------------------------------
     def handle_connections(self) -> bool:
-        """Take the client socket's accepts and disconnects (4096 at most); True when none is left."""
-        from zmq.utils.monitor import recv_monitor_message
-        for _ in range(4096):
-            try:
-                ev = recv_monitor_message(self.conn_monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            fd = ev.get("value")
-            if not isinstance(fd, int):
-                continue
-            if ev["event"] == zmq.EVENT_ACCEPTED:
-                pid = peer_pid(fd)
-                self.connections[fd] = [pid, time.monotonic(), False]
-                if len(self.connections) > self.max_connections:
-                    self._drop_connection(fd, f"over the limit of {self.max_connections} connections")
-                elif pid is not None and self._silent_process(pid):
-                    self._drop_connection(fd, f"its process holds {MAX_SILENT_PER_PROCESS} connections that said "
-                                              f"nothing, and {SILENT_STRIKES} or more of its connections were dropped "
-                                              f"for saying nothing in the last {SILENT_STRIKE_WINDOW:.0f} s")
-                    self._strike(pid)
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                self.connections_closed += 1
-                gone = self.connections.pop(fd, None)
-                pid = gone[0] if gone is not None else None
-                if pid is not None and not any(c[0] == pid for c in self.connections.values()):
-                    # the process has no connection left: its sessions cannot hear anything again
-                    for identity, s in list(self.sessions.items()):
-                        if s.pid == pid:
-                            self.end_session(identity, "connection closed")
-        return False
+        """Take the client socket's accepts and disconnects (4096 at most); True when none is left.
+        A process with no connection left loses its sessions: they cannot hear anything again."""
+        return self.conns.take_events(self._process_gone)
+
+    def _process_gone(self, pid: int) -> None:
+        for identity, s in list(self.sessions.items()):
+            if s.pid == pid:
+                self.end_session(identity, "connection closed")
 
     def drop_idle_connections(self) -> None:
-        """Connections that said nothing within hello_timeout (a real client says hello at once) are
-        dropped: each holds a descriptor. Where libzmq does not say which connection a message came
-        over, only those of processes without a session (a process with one was exempt, and its
-        silent connections stayed)."""
-        now = time.monotonic()
-        limit = now - self.settings.hello_timeout
-        pids = {s.pid for s in self.sessions.values()}
-        for fd, (pid, since, spoke) in list(self.connections.items()):
-            if pid is None or since >= limit:  # (None: the kernel did not say; _drop_connection needs it)
-                continue
-            if (not spoke) if self.fd_of_messages else pid not in pids:
-                self._drop_connection(fd, f"no hello within {self.settings.hello_timeout} s")
-                self.connections[fd][1] = now  # once; the disconnect removes it
-                self._strike(pid)
-        for pid in [p for p, times in self.silent_strikes.items() if not times or times[-1] < now - SILENT_STRIKE_WINDOW]:
-            del self.silent_strikes[pid]
-
-    def _strike(self, pid: int) -> None:
-        times = self.silent_strikes.get(pid)
-        if times is None:
-            if len(self.silent_strikes) >= MAX_SESSIONS:  # bounded: forget the oldest process
-                self.silent_strikes.pop(next(iter(self.silent_strikes)))
-            times = self.silent_strikes[pid] = deque(maxlen=SILENT_STRIKES)
-        times.append(time.monotonic())
-
-    def _silent_process(self, pid: int) -> bool:
-        """Whether process ``pid`` has had SILENT_STRIKES connections dropped for silence within
-        SILENT_STRIKE_WINDOW and holds MAX_SILENT_PER_PROCESS silent ones besides its newest."""
-        times = self.silent_strikes.get(pid)
-        if times is None or len(times) < SILENT_STRIKES or times[0] < time.monotonic() - SILENT_STRIKE_WINDOW:
-            return False
-        silent = sum(1 for c in self.connections.values() if c[0] == pid and not c[2])
-        return silent > MAX_SILENT_PER_PROCESS
-
-    def _drop_connection(self, fd: int, why: str) -> None:
-        """Shut a client connection down under ZeroMQ (which then closes it, as when the process
-        goes). Only if descriptor ``fd`` is still that connection: a Unix socket of our path
-        whose peer is the process recorded at accept (a descriptor number can be reused)."""
-        c = self.connections.get(fd)
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return
-        try:
-            if (sock.family == socket.AF_UNIX and sock.getsockname() == self.socket_path
-                    and c is not None and peer_pid(sock.fileno()) == c[0]):
-                sock.shutdown(socket.SHUT_RDWR)
-                self.connections_dropped += 1
-                now = time.monotonic()
-                if now - self._drop_logged > 1.0:  # a flood of them is one line a second
-                    log.warning("dropped %d client connection(s), the last of pid %s: %s",
-                                self.connections_dropped - self._drops_at_log, c[0], why)
-                    self._drop_logged, self._drops_at_log = now, self.connections_dropped
-        except OSError:
-            pass
-        finally:
-            sock.close()
+        self.conns.drop_idle({s.pid for s in self.sessions.values()})
 
     # -- sessions ---------------------------------------------------------------------------------
     def end_session(self, identity: bytes, why: str) -> None:
@@ -385,6 +308,133 @@ class Sessions:
         for identity, s in list(self.sessions.items()):
             if not pid_alive(s.pid):
                 self.end_session(identity, "process exited")
+
+
+class Connections:
+    """Client connections by descriptor, as the kernel sees them (a monitor of the client socket:
+    accepted, gone): which process holds each, since when, and whether it has said anything. A
+    connection that says no hello within ``hello_timeout`` is dropped, beyond ``max_connections``
+    new ones are dropped at once, and a process whose silent connections keep being dropped may
+    hold only MAX_SILENT_PER_PROCESS of them: every connection holds one of the daemon's
+    descriptors, whatever a process does."""
+
+    def __init__(self, monitor: Any, socket_path: str, max_connections: int, hello_timeout: float) -> None:
+        self.monitor, self.socket_path = monitor, socket_path
+        self.max_connections, self.hello_timeout = max_connections, hello_timeout
+        #: descriptor -> [peer pid or None, accepted at, has said something (a message came over it)]
+        self.by_fd: dict[int, list[Any]] = {}
+        #: pid -> times its connections were dropped for saying nothing (SILENT_STRIKES)
+        self.silent_strikes: dict[int, deque[float]] = {}
+        #: whether libzmq names the descriptor a message came over (ZMQ_SRCFD, source_fd); without
+        #: it a connection counts as speaking once its process has a session
+        self.fd_of_messages = False
+        self.closed = 0  #: since malloc last handed memory back (the daemon's loop resets it)
+        self.dropped = 0  #: by this daemon (idle, or over max_connections)
+        self._drop_logged, self._drops_at_log = 0.0, 0
+
+    def __len__(self) -> int:
+        return len(self.by_fd)
+
+    def get(self, fd: int) -> list[Any] | None:
+        return self.by_fd.get(fd)
+
+    def spoke(self, fd: int, take_events: Callable[[], Any]) -> None:
+        """A message came over descriptor ``fd`` (``take_events``: the daemon's handle_connections,
+        for a connection whose accept is still in the monitor's queue)."""
+        self.fd_of_messages = True
+        if fd not in self.by_fd:
+            take_events()  # its accept is reported before its first message: take it
+        conn = self.by_fd.get(fd)
+        if conn is not None:
+            conn[2] = True  # it has said something (drop_idle)
+
+    def take_events(self, process_gone: Callable[[int], None]) -> bool:
+        """Take the monitor's accepts and disconnects (4096 at most); True when none is left.
+        ``process_gone(pid)``: a process's last connection closed."""
+        from zmq.utils.monitor import recv_monitor_message
+        for _ in range(4096):
+            try:
+                ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            fd = ev.get("value")
+            if not isinstance(fd, int):
+                continue
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                pid = peer_pid(fd)
+                self.by_fd[fd] = [pid, time.monotonic(), False]
+                if len(self.by_fd) > self.max_connections:
+                    self._drop(fd, f"over the limit of {self.max_connections} connections")
+                elif pid is not None and self._silent_process(pid):
+                    self._drop(fd, f"its process holds {MAX_SILENT_PER_PROCESS} connections that said "
+                                   f"nothing, and {SILENT_STRIKES} or more of its connections were dropped "
+                                   f"for saying nothing in the last {SILENT_STRIKE_WINDOW:.0f} s")
+                    self._strike(pid)
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.closed += 1
+                gone = self.by_fd.pop(fd, None)
+                pid = gone[0] if gone is not None else None
+                if pid is not None and not any(c[0] == pid for c in self.by_fd.values()):
+                    process_gone(pid)
+        return False
+
+    def drop_idle(self, pids_with_session: set[int]) -> None:
+        """Connections that said nothing within hello_timeout (a real client says hello at once) are
+        dropped: each holds a descriptor. Where libzmq does not say which connection a message came
+        over, only those of processes without a session (a process with one was exempt, and its
+        silent connections stayed)."""
+        now = time.monotonic()
+        limit = now - self.hello_timeout
+        for fd, (pid, since, spoke) in list(self.by_fd.items()):
+            if pid is None or since >= limit:  # (None: the kernel did not say; _drop needs it)
+                continue
+            if (not spoke) if self.fd_of_messages else pid not in pids_with_session:
+                self._drop(fd, f"no hello within {self.hello_timeout} s")
+                self.by_fd[fd][1] = now  # once; the disconnect removes it
+                self._strike(pid)
+        for pid in [p for p, times in self.silent_strikes.items() if not times or times[-1] < now - SILENT_STRIKE_WINDOW]:
+            del self.silent_strikes[pid]
+
+    def _strike(self, pid: int) -> None:
+        times = self.silent_strikes.get(pid)
+        if times is None:
+            if len(self.silent_strikes) >= MAX_SESSIONS:  # bounded: forget the oldest process
+                self.silent_strikes.pop(next(iter(self.silent_strikes)))
+            times = self.silent_strikes[pid] = deque(maxlen=SILENT_STRIKES)
+        times.append(time.monotonic())
+
+    def _silent_process(self, pid: int) -> bool:
+        """Whether process ``pid`` has had SILENT_STRIKES connections dropped for silence within
+        SILENT_STRIKE_WINDOW and holds MAX_SILENT_PER_PROCESS silent ones besides its newest."""
+        times = self.silent_strikes.get(pid)
+        if times is None or len(times) < SILENT_STRIKES or times[0] < time.monotonic() - SILENT_STRIKE_WINDOW:
+            return False
+        silent = sum(1 for c in self.by_fd.values() if c[0] == pid and not c[2])
+        return silent > MAX_SILENT_PER_PROCESS
+
+    def _drop(self, fd: int, why: str) -> None:
+        """Shut a client connection down under ZeroMQ (which then closes it, as when the process
+        goes). Only if descriptor ``fd`` is still that connection: a Unix socket of our path
+        whose peer is the process recorded at accept (a descriptor number can be reused)."""
+        c = self.by_fd.get(fd)
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            if (sock.family == socket.AF_UNIX and sock.getsockname() == self.socket_path
+                    and c is not None and peer_pid(sock.fileno()) == c[0]):
+                sock.shutdown(socket.SHUT_RDWR)
+                self.dropped += 1
+                now = time.monotonic()
+                if now - self._drop_logged > 1.0:  # a flood of them is one line a second
+                    log.warning("dropped %d client connection(s), the last of pid %s: %s",
+                                self.dropped - self._drops_at_log, c[0], why)
+                    self._drop_logged, self._drops_at_log = now, self.dropped
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
 
 def session_limits(world: int) -> tuple[int, int]:
