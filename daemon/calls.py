@@ -13,6 +13,7 @@ import logging
 import math
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,27 @@ def _any_size(name: Any) -> bool:
 class Calls:
     """Submits, local rounds and their results, and the warm-up queue: the daemon's part that
     knows calls."""
+
+    # of the Daemon (daemon/service.py) this is part of: what it reads and changes
+    settings: Any
+    rank: int
+    world: int
+    sessions: dict[bytes, Any]
+    jobs: dict[str, Job]
+    worker: Any
+    net: Any
+    warmer: Any
+    parked: Any
+    warned_jobs: set[str]
+    finished: queue.Queue[LocalRound]
+    figures: Any
+    bytes_sent_total: int
+    ring_wake_tx: Any
+    _finish_lock: Any
+    reply: Callable[[bytes, dict[str, Any]], None]
+    _session: Callable[[bytes], Any]
+    _wake: Callable[[], None]
+    handle_request: Callable[[bytes, Any], None]
 
     def _codec_of(self, h: Submit) -> tuple[Any, Any]:
         """The codec and parameters a submit asks for (as handle_submit reads them)."""

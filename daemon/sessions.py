@@ -101,6 +101,24 @@ class Job:
 class Sessions:
     """Sessions, jobs and client connections: the daemon's part that knows processes."""
 
+    # of the Daemon (daemon/service.py) this is part of: what it reads and changes
+    settings: Any
+    rank: int
+    world: int
+    gid: int | None
+    shm_prefix: str
+    sealed: bool
+    max_sessions: int
+    sessions: dict[bytes, Session]
+    jobs: dict[str, Job]
+    bells: dict[int, bytes]
+    poller: Any
+    worker: Any
+    fds: Any
+    conns: Connections | None
+    reply: Callable[[bytes, dict[str, Any]], None]
+    handle_finished: Callable[[], None]
+
     def handle_hello(self, identity: bytes, h: Hello, creds: tuple[int, int, int] | None = None,
                      fd: int | None = None) -> None:
         """``creds``: the kernel's (uid, gid, pid) of the connection; ``fd``: the daemon's descriptor
