@@ -32,6 +32,11 @@ there), and the leader sends no data for a round it closed the lane before. Any 
 lost peer or a restarted neighbour closes the lane too; a lane round in progress that learns of
 the failure of an earlier round of its job is given up and agreed like the others
 (docs/architecture.md, "The dense lane").
+
+Every round on the fixed ring ends with a commit (RoundTransport.await_commit): a node answers its
+processes and applies the round's codec-state change only once its left neighbour's ``commit``
+count says every node holds the result, so no node releases a result another will fail
+(docs/reliability.md, "All-or-nothing rounds").
 """
 from __future__ import annotations
 
@@ -496,6 +501,8 @@ class RingWorker(threading.Thread):
         self.lost_processes: list[tuple[str, int]] = []
         #: aborts the right neighbour could not take yet (its socket reconnecting), with when
         self._unsent_aborts: list[tuple[Abort, float]] = []
+        #: round key -> when _repeat_aborts last told the ring again
+        self._repeated: dict[str, float] = {}
         #: job -> the highest call number this node's processes submitted (the cluster's numbering):
         #: a start for a lower number that is not waiting here names a call that already ended here
         self.submitted: dict[str, int] = {}
@@ -655,7 +662,10 @@ class RingWorker(threading.Thread):
         cut off): answering at once lets every node fail it and catch up, instead of waiting
         round_timeout for processes that have gone on."""
         parsed = split_key(key)
-        return parsed is not None and key not in self.ready and self.submitted.get(parsed[0], -1) > parsed[1]
+        # not while the job's processes here have left (self.departed): its next run, numbering
+        # from 0 again, may be about to join, and this start may be its first call
+        return (parsed is not None and key not in self.ready and parsed[0] not in self.departed
+                and parsed[0] not in self.restarted_jobs and self.submitted.get(parsed[0], -1) > parsed[1])
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
@@ -923,6 +933,8 @@ class RingWorker(threading.Thread):
             followed = handler(msg) if handler is not None else False
             if not followed and leader is not None and leader != self.rank and self.order:
                 m.waiting_for_start(self, leader)
+                if isinstance(m, FixedRing):
+                    self._repeat_aborts()
 
     # -- control messages between rounds, by type (as the service's main loop dispatches clients') --
     def handle_start(self, msg: dict[str, Any]) -> bool:
@@ -1030,6 +1042,25 @@ class RingWorker(threading.Thread):
                 self._unsent_aborts.append((abort, time.monotonic()))
         except Exception:  # noqa: BLE001
             pass
+
+    def _repeat_aborts(self) -> None:
+        """This node's processes wait for the leader to start a round, and this node failed an
+        earlier round of their job (alone, before any verdict): tell the ring again, once a second.
+        The first abort can be lost with a connection that was being re-made (the leader stopped,
+        its left neighbour's socket reconnecting): the leader would then wait round_timeout for its
+        start of that round to come back, holding every round of the ring."""
+        now = time.monotonic()
+        for key in self.order[:1]:
+            rnd = self.ready[key]
+            for seq in range(max(0, rnd.seq - MAX_BATCH), rnd.seq):
+                k = round_key(rnd.job, seq)
+                t = self.aborted.get(k)
+                if t is None or now - self._repeated.get(k, t.at) < 1.0:
+                    continue
+                self._repeated[k] = now
+                if len(self._repeated) > MAX_UNSENT_ABORTS:
+                    self._repeated.pop(next(iter(self._repeated)))
+                self._abort(k, t.message, cls=None if t.error_class == "PeerLostError" else t.error_class)
 
     def _resend_aborts(self) -> None:
         """Send the aborts that could not go out (see _abort), oldest first, while they matter."""
@@ -1302,7 +1333,8 @@ class RingWorker(threading.Thread):
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
             if self.commits and isinstance(transport, RoundTransport):
-                transport.await_commit(self.settings.peer_timeout)
+                # a stopped node may hold up the count for long: as long as a round may wait
+                transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
             self.runner.commit(rnd)
         except LaneGivenUp:
             raise

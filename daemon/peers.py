@@ -134,6 +134,8 @@ class PeerNet:
         #: round key -> the highest ``commit`` count from the left not yet taken by its round
         #: (RoundTransport.await_commit); bounded by transport.MAX_COMMITS_KEPT
         self.commits: dict[str, int] = {}
+        #: (rank, header) of the last commit counts sent, sent again after a queue drop (_count_ping)
+        self.recent_commits: deque[tuple[int, dict[str, Any]]] = deque(maxlen=4)
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
         #: two live daemons claiming one rank: both refused (handshake.py)
@@ -439,6 +441,13 @@ class PeerNet:
             except zmq.ZMQError:
                 pass
             sock.connect(endpoint)
+            # the last commit counts sent it may have been among what was dropped: a stopped
+            # neighbour that continues still needs them to release its round (await_commit)
+            for h in [h for r, h in self.recent_commits if r == rank]:
+                try:
+                    self.send(h, to=rank)
+                except Exception:  # noqa: BLE001 - not connected yet: ZeroMQ queues from here on
+                    pass
 
     def _send_ping(self) -> None:
         """A ping to every rank this node links to (the handshake, liveness and numbering)."""

@@ -214,9 +214,11 @@ class RoundTransport:
         with itself are known to hold the result: 1 + what its left neighbour last said, at most
         world - 1, sent again whenever it grows. A node knows every node holds the result once its
         left neighbour says world - 1. That costs at most world - 1 small messages per node and
-        world - 1 hops after the last node finished. A failure before then (a lost or restarted
-        peer, an abort, a gap in the numbering, ``timeout`` without the count) fails the round here
-        like a failure of its data phase; raises like :meth:`recv`. Messages of later rounds that
+        world - 1 hops after the last node finished. A failure before then (a restarted neighbour,
+        an abort, a gap in the numbering, ``timeout`` without the count) fails the round here like a
+        failure of its data phase; raises like :meth:`recv`. A peer merely counted lost is waited
+        for (up to ``timeout``): every node may hold the result and one may have released it, and a
+        stopped node that continues completes the count. Messages of later rounds that
         come meanwhile (the left neighbour released the round and went on) are put back for the
         next reader in order."""
         need = self.world - 1
@@ -231,20 +233,31 @@ class RoundTransport:
                 have = commit_count(net, key)
                 c = min(need, 1 + have)
                 if c > sent:
-                    nb.send(net, {"t": "commit", "k": key, "c": c})
+                    h = {"t": "commit", "k": key, "c": c}
+                    nb.send(net, h)
                     sent = c
+                    recent = getattr(net, "recent_commits", None)
+                    if recent is not None:
+                        recent.append((nb.right_rank, h))
                 if have >= need:
                     return
                 if net.stopping:
                     raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
-                why = nb.why_gone(net, key, self.restarts_at)
-                if why:
-                    raise PeerLostError(f"{why} (before every node held the result: it is released nowhere)")
+                # A peer merely silent (lost) is waited for: this node holds the result, and so may
+                # every other, one of which may have released it already; a stopped node that
+                # continues completes the count. A restarted neighbour cannot (its new instance
+                # knows nothing of the round): that fails the round here.
+                restarted = net.restarted_since(self.restarts_at)
+                if restarted:
+                    raise PeerLostError(f"round {key} cannot complete: {restarted} during its commit "
+                                        "(before every node confirmed holding the result)")
                 self._check_gap()
                 now = time.monotonic()
                 if now >= deadline:
+                    why = nb.why_gone(net, key, self.restarts_at)
                     raise PeerLostError(f"round {key}: the nodes did not all confirm holding the result within "
-                                        f"{timeout} s (the commit stopped at {nb.describe_left()})")
+                                        f"{timeout} s (the commit stopped at {nb.describe_left()})"
+                                        + (f"; {why}" if why else ""))
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
                 if msg is None or not nb.accepts(msg):
                     continue

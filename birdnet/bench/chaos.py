@@ -12,7 +12,8 @@ the ring, broadcast the parameters from rank 0) and goes on. Faults, at random m
 Every call's outcome is logged by every process (call number, result digest, parameters digest,
 duration); at the end the logs are compared:
 
-- **split**: a call that returned on some process and raised on another;
+- **split**: a call that returned on some process and raised on another whose daemon survived
+  (a process whose own daemon was killed loses its call with it: counted apart, ``lost_with_daemon``);
 - **wrong**: a dense result that is not the exact sum, or results (or, after a successful call,
   the parameters) that differ between processes;
 - **hang**: a call that took longer than its timeout plus a margin;
@@ -56,11 +57,12 @@ def worker(sock: str, job: str, n: int, codec: str, log_path: str, call_timeout:
     from birdnet.errors import BirdnetError
     c = Client(sock, job=job, connect_timeout=10.0)
     params = np.zeros(n, np.float32)
+    steps = np.zeros(1, np.float64)  #: the loop's step, recovered with the parameters
     kw: dict[str, Any] = {} if codec == "none" else {"codec": codec}
     with open(log_path, "a", buffering=1) as log:
         log.write(json.dumps({"ready": True, "rank": c.rank, "size": c.size, "t": time.time()}) + "\n")
-        step = 0
         while True:
+            step = int(steps[0])
             seq = c._seq
             grad = np.full(n, float(c.rank + 1), np.float32) * np.float32(1 + step % 7)
             t0 = time.time()
@@ -74,7 +76,7 @@ def worker(sock: str, job: str, n: int, codec: str, log_path: str, call_timeout:
                     rec["exact"] = bool(np.all(out == np.float32(want)))
                 params -= np.float32(1e-3) * out
                 rec["params"] = hashlib.blake2b(params.tobytes(), digest_size=8).hexdigest()
-                step += 1
+                steps[0] += 1
             except BirdnetError as exc:
                 rec["ok"] = False
                 rec["error"] = type(exc).__name__
@@ -87,7 +89,7 @@ def worker(sock: str, job: str, n: int, codec: str, log_path: str, call_timeout:
                     continue  # the job must be restarted: keep showing that calls fail at once
                 t = time.time()
                 try:
-                    attempts = c.recover([params], timeout=120.0)
+                    attempts = c.recover([params, steps], timeout=120.0)
                     log.write(json.dumps({"recovered": True, "t0": t, "t1": time.time(), "attempts": attempts,
                                           "next_seq": c._seq,
                                           "params": hashlib.blake2b(params.tobytes(), digest_size=8).hexdigest()})
@@ -170,6 +172,7 @@ def _wait_recovered(job: _Job, since: float, timeout: float) -> float | None:
 def check(jobs: list[_Job], codec: str, call_timeout: float) -> dict[str, Any]:
     """Compare the processes' logs: splits, wrong results, diverged parameters, hangs."""
     splits, wrong, diverged, hangs, calls, failed = [], [], [], [], 0, 0
+    lost_with_daemon: list[dict] = []
     for job in jobs:
         recs = job.records()
         by_seq: dict[int, dict[int, dict]] = {}
@@ -182,9 +185,14 @@ def check(jobs: list[_Job], codec: str, call_timeout: float) -> dict[str, Any]:
         for seq, rs in sorted(by_seq.items()):
             calls += 1
             oks = {k: v for k, v in rs.items() if v["ok"]}
-            if oks and len(oks) < len(rs):
-                splits.append({"run": job.run, "seq": seq,
-                               "outcomes": {k: (v.get("error") or "ok") for k, v in sorted(rs.items())}})
+            # a process whose own daemon was killed loses the call with it (DaemonUnavailableError),
+            # whatever the ring decided: counted apart, the split is between surviving daemons
+            survivors = {k: v for k, v in rs.items() if v.get("error") != "DaemonUnavailableError"}
+            outcomes = {k: (v.get("error") or "ok") for k, v in sorted(rs.items())}
+            if oks and len(oks) < len(survivors):
+                splits.append({"run": job.run, "seq": seq, "outcomes": outcomes})
+            elif oks and len(oks) < len(rs):
+                lost_with_daemon.append({"run": job.run, "seq": seq, "outcomes": outcomes})
             if len(oks) < len(rs):
                 failed += 1
             if len({v["digest"] for v in oks.values()}) > 1 or any(v.get("exact") is False for v in oks.values()):
@@ -192,7 +200,7 @@ def check(jobs: list[_Job], codec: str, call_timeout: float) -> dict[str, Any]:
             if len(oks) == len(rs) and len({v["params"] for v in oks.values()}) > 1:
                 diverged.append({"run": job.run, "seq": seq})
     return {"calls": calls, "failed_calls": failed, "splits": splits, "wrong": wrong, "diverged": diverged,
-            "hangs": hangs}
+            "hangs": hangs, "lost_with_daemon": lost_with_daemon}
 
 
 def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faults: list[str] | None = None,
