@@ -66,13 +66,19 @@ def check_access(path: str) -> None:
             f"permission denied on {path} (owner uid {st.st_uid}, group gid {st.st_gid}, mode "
             f"{st.st_mode & 0o777:o}): birdnetd serves only its own user and its --shm-group; run the "
             "training process as one of them")
-    _check_listening(path)
 
 
-def _check_listening(path: str) -> None:
+#: a hello not answered within this many seconds makes the client ask whether anyone listens on
+#: the socket file at all (:func:`check_listening`); a live daemon answers well within it
+STALE_CHECK_AFTER = 0.5
+
+
+def check_listening(path: str) -> None:
     """A socket file nobody listens on (left by a daemon that was killed) refuses a connection at
-    once; ZeroMQ's ipc connect would instead wait out the whole hello timeout and say only that
-    the daemon did not answer. One plain connect, closed at once, tells the two apart."""
+    once; ZeroMQ's ipc connect instead retries quietly, and the hello would wait out its whole
+    timeout and say only that the daemon did not answer. One plain connect, closed at once, tells
+    the two apart. Only after a hello went unanswered for a moment: a live daemon would see the
+    probe as a connection of this process that closed, beside the real one."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(1.0)
@@ -123,8 +129,13 @@ class Connection:
         self.lost = None
         self.send(Hello(job=self.job, pid=os.getpid(), proto=PROTOCOL_VERSION, door=True,
                         local_rank=self.local_rank).header())
+        deadline = time.monotonic() + timeout
         try:
-            reply = self.recv(time.monotonic() + timeout)
+            try:
+                reply = self.recv(min(deadline, time.monotonic() + STALE_CHECK_AFTER))
+            except RoundTimeoutError:
+                check_listening(self.socket_path)  # DaemonUnavailableError for a stale socket, at once
+                reply = self.recv(deadline)
         except RoundTimeoutError:
             self.close()
             raise DaemonUnavailableError(

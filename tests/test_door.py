@@ -152,8 +152,8 @@ def test_which_way_results_come(tmp_path, monkeypatch):
         assert _Counting.received == 0  # the daemon wrote nothing a process did not say it reads
         # errors still come over the socket, with their class
         with Client(sock, job="d") as c:
-            with pytest.raises(ValueError, match="cannot be reduced"):
-                c.allreduce(np.ones(10, np.int32), op="mean", timeout=30)
+            with pytest.raises(ValueError, match="keeps error-feedback state"):  # the daemon's InputError
+                c.allreduce(np.ones(5000, np.float32), codec="topk", timeout=30)
 
 
 def test_submit_fifo_carries_maps_and_survives_garbage():

@@ -180,7 +180,13 @@ def worker(sock, node, local, store):
     coded = bnt.HookState(job="ddp-hook", socket=sock, codec="topk", codec_params={"density": 0.1})
     out["gloo_hook"] = train(dist, rank, world, coded, bnt.comm_hook)
     out["gloo_hook_stats"] = dict(coded.last_stats)
-    bad = bnt.HookState(job="ddp-hook", socket=sock, codec="nope")
+    try:  # an unknown codec fails where it is named
+        bnt.HookState(job="ddp-hook", socket=sock, codec="nope")
+        out["construct_error"] = None
+    except Exception as exc:  # noqa: BLE001
+        out["construct_error"] = (type(exc).__name__, str(exc))
+    bad = bnt.HookState(job="ddp-hook", socket=sock, codec="topk")
+    bad.codec = "nope"  # past construction's check: the call in the hook fails
     try:
         train(dist, rank, world, bad, bnt.comm_hook)
         out["hook_error"] = None
@@ -245,6 +251,7 @@ def test_a_failing_hook_reaches_the_training_loop_by_name(results):
     for r in results:
         kind, msg = r["hook_error"]
         assert "CodecError" in msg and "unknown codec 'nope'" in msg and "Unable to cast" not in msg, (kind, msg)
+        assert r["construct_error"][0] == "CodecError" and "unknown codec 'nope'" in r["construct_error"][1]
 
 
 @pytest.mark.timeout(200)
