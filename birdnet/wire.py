@@ -26,7 +26,8 @@ Every header has ``t`` (message type), ``nbuf`` and ``sizes``. The keys of peer 
 once, in :data:`HEADER_KEYS` (which messages carry each and what it means); the message types are
 in birdnet.daemon.peers, their records (built once from a received header) in birdnet.messages.
 The client socket's messages (hello, welcome, alloc, shm, submit, done, error, status, bye) are
-described in birdnet.daemon.service.
+records in birdnet.requests (shared by the client and the daemon), their table in
+birdnet.daemon.service.
 """
 from __future__ import annotations
 

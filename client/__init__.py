@@ -17,6 +17,7 @@ the doorbells, and how a lost daemon shows), ``_slots.py`` (the shared-memory sl
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import warnings
@@ -45,6 +46,18 @@ from birdnet.errors import (
     ShutdownError,
     from_wire,
 )
+from birdnet.requests import (
+    ANONYMOUS_PREFIX,
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    Alloc,
+    Bye,
+    Request,
+    Status,
+    Submit,
+    Warm,
+    anonymous_name,
+)
 
 __all__ = ["Client", "Handle", "BirdnetError", "OuterLoop"]
 
@@ -72,17 +85,12 @@ RECOVER_TIMEOUT = 120.0
 _RECOVERABLE = (PeerLostError, RoundTimeoutError, RoundMismatchError, DaemonUnavailableError, ShutdownError)
 
 
-#: what the daemons reduce: floats with either op, these integers with op="sum" (and broadcast)
-_FLOAT_DTYPES = ("float16", "float32", "float64")
-_INT_DTYPES = ("int32", "int64")
-
-
 def _check_dtype(kind: str, dtype: np.dtype, op: str, name: str | None) -> None:
     """The daemons' dtype rule, said with what to pass instead (a fix-it message, before any round)."""
     what = f"tensor {name!r}" if name is not None else "the array"
-    if dtype.name in _FLOAT_DTYPES or (dtype.name in _INT_DTYPES and (kind != "allreduce" or op == "sum")):
+    if dtype.name in FLOAT_DTYPES or (dtype.name in INT_DTYPES and (kind != "allreduce" or op == "sum")):
         return
-    if dtype.name in _INT_DTYPES:
+    if dtype.name in INT_DTYPES:
         raise InputError(f"{what} is {dtype.name}: integers are reduced with op='sum' only (op={op!r} would "
                          "divide); pass op='sum', or cast to float32 for a mean: array.astype(np.float32)")
     if dtype.kind in "iub":
@@ -263,19 +271,18 @@ class Client:
         if not self._conn.alive:
             self._reconnect()
 
-    def _request(self, header: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        """A synchronous request answered immediately (alloc, status)."""
+    def _request(self, request: Request, timeout: float = 10.0) -> dict[str, Any]:
+        """A synchronous request answered immediately (alloc, status, warm)."""
         self._ensure_connected()
         call = next(self._calls)
-        header = {**header, "call": call}
-        self._conn.send(header)
+        self._conn.send(dataclasses.replace(request, call=call).header())
         reply = self._replies.wait(call, timeout, generation=self._conn.generation)
         if reply["t"] == "error":
             raise from_wire(reply)
         return reply
 
     def _alloc(self, slot: int, nbytes: int) -> dict[str, Any]:
-        return self._request({"t": "alloc", "slot": slot, "nbytes": nbytes})
+        return self._request(Alloc(slot=slot, nbytes=nbytes))
 
     # -- shared memory ----------------------------------------------------------------------------
     def buffer(self, shape, dtype=np.float32) -> np.ndarray:
@@ -322,9 +329,7 @@ class Client:
         """Submit one collective call and return its handle (also birdnet.client.torch_dist's way in)."""
         self._ensure_connected()
         seq = self._seq
-        header: dict[str, Any] = {"t": "submit", "seq": seq, "kind": kind}
-        if self._conn.door is not None:
-            header["door"] = True  # its end is open: the daemon may hand the result back that way
+        tensor: dict[str, Any] = {}  # the submit's tensor fields, for a call that carries an array
         slot = None
         out = None
         shape: tuple[int, ...] = ()
@@ -350,24 +355,24 @@ class Client:
             else:
                 slot = pool.take(max(array.nbytes, 1))
                 np.copyto(slot.view(shape, dtype), array)  # the one copy into shared memory
-            if name is not None and name.startswith("anonymous/"):
-                raise InputError(f"tensor name {name!r}: names starting with 'anonymous/' are reserved for calls "
-                                 "without name=; choose another")
+            if name is not None and name.startswith(ANONYMOUS_PREFIX):
+                raise InputError(f"tensor name {name!r}: names starting with {ANONYMOUS_PREFIX!r} are reserved for "
+                                 "calls without name=; choose another")
             # Without a name a call cannot say which tensor it is: its name is unique, and a
             # stateful codec keeps no state for it (the daemon refuses codec= with one, and warns
             # when its default codec is one; docs/architecture.md "Tensor names and codec state")
-            tensor = name if name is not None else f"anonymous/{seq}"
-            header.update(name=tensor, shape=list(shape), dtype=dtype.name, slot=slot.slot, op=op, root=root)
+            tensor = dict(name=name if name is not None else anonymous_name(seq), shape=list(shape),
+                          dtype=dtype.name, slot=slot.slot, op=op, root=root)
             if codec is not None:
-                header["codec"] = codec
-                header["params"] = dict(params or {})
+                tensor.update(codec=codec, params=dict(params or {}))
             elif params:
                 raise InputError(f"codec parameters {sorted(params)} given without codec=")
         call = next(self._calls)
-        header["call"] = call
+        # door: its end is open, the daemon may hand the result back that way
+        request = Submit(seq=seq, kind=kind, call=call, door=self._conn.door is not None, **tensor)
         self._seq += 1
         try:
-            self._conn.submit(header)
+            self._conn.submit(request.header())
         except BaseException:
             if slot is not None:
                 slot.busy = False
@@ -437,7 +442,7 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         """The daemon's status (the same figures as ``birdnet status --json``)."""
-        return self._request({"t": "status"})["status"]
+        return self._request(Status())["status"]
 
     def warm(self, codec: str, **codec_params: Any) -> bool:
         """Have the local daemon load ``codec``'s kernels (for these parameters) now, in the
@@ -446,7 +451,7 @@ class Client:
         loaded already. Calls with a codec whose kernels are not loaded wait for them whether or
         not this was called; the PyTorch adapter calls it for the codec it switches to after its
         dense warm-up. Raises :class:`InputError` for an unknown codec."""
-        return bool(self._request({"t": "warm", "codec": codec, "params": dict(codec_params)})["ready"])
+        return bool(self._request(Warm(codec=codec, params=dict(codec_params)))["ready"])
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
@@ -459,7 +464,7 @@ class Client:
             # then find its place taken until the daemon noticed the exit (up to a second later).
             try:
                 call = next(self._calls)
-                conn.send({"t": "bye", "call": call})
+                conn.send(Bye(call=call).header())
                 self._replies.wait(call, BYE_TIMEOUT)
             except (zmq.ZMQError, BirdnetError):
                 pass

@@ -27,6 +27,7 @@ from birdnet.errors import (
     SessionLostError,
     from_wire,
 )
+from birdnet.requests import Hello
 
 
 def default_socket() -> str:
@@ -126,10 +127,8 @@ class Connection:
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
         self.lost = None
-        hello = {"t": "hello", "proto": PROTOCOL_VERSION, "job": self.job, "pid": os.getpid(), "door": True}
-        if self.local_rank is not None:
-            hello["local_rank"] = self.local_rank
-        self.send(hello)
+        self.send(Hello(job=self.job, pid=os.getpid(), proto=PROTOCOL_VERSION, door=True,
+                        local_rank=self.local_rank).header())
         deadline = time.monotonic() + timeout
         try:
             try:

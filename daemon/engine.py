@@ -72,6 +72,7 @@ from birdnet.errors import (
 )
 from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_go
 from birdnet.osutil import name_os_thread
+from birdnet.requests import ANONYMOUS_PREFIX
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.gather import ring_allgather
 from birdnet.ring.small import gathered_allreduce, use_gathered
@@ -121,11 +122,6 @@ class LocalRound:
     @property
     def key(self) -> str:
         return round_key(self.job, self.seq)
-
-
-#: tensor names the client gives calls made without ``name=`` (``anonymous/<call number>``): no later
-#: call can name the same tensor, so their codec state lives for the round only (StateStore.get)
-ANONYMOUS_PREFIX = "anonymous/"
 
 
 @dataclasses.dataclass

@@ -227,6 +227,7 @@ def test_warm_needs_a_session_and_is_bounded(tmp_path):
     from birdnet.daemon import service
 
     from birdnet.errors import InputError
+    from birdnet.requests import Warm
     with LocalCluster(1, tmp_path, kernel_warmup="used") as cl:
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
@@ -247,9 +248,9 @@ def test_warm_needs_a_session_and_is_bounded(tmp_path):
     fake = types.SimpleNamespace(_session=lambda identity: None, reply=lambda i, r: replies.append(r),
                                  warmer=types.SimpleNamespace(requested=asked, ready=lambda c, p: False))
     with pytest.raises(InputError, match=f"{service.MAX_WARM_REQUESTS} codec configurations were asked for"):
-        service.Daemon.handle_warm(fake, b"id", {"t": "warm", "call": 2, "codec": "qsgd", "params": {"levels": 3}})
+        service.Daemon.handle_warm(fake, b"id", Warm(call=2, codec="qsgd", params={"levels": 3}))
     asked.pop()
-    service.Daemon.handle_warm(fake, b"id", {"t": "warm", "call": 3, "codec": "qsgd", "params": {"levels": 3}})
+    service.Daemon.handle_warm(fake, b"id", Warm(call=3, codec="qsgd", params={"levels": 3}))
     assert replies == [{"t": "warm", "call": 3, "ready": False}]
 
 
