@@ -68,7 +68,6 @@ def _quantise(src, bits, block, scales, out, deq, residual, res_off):
     qmax = (1 << (bits - 1)) - 1
     fq = np.float32(qmax)
     per = 8 // bits
-    mask = (1 << bits) - 1
     base = 2 * nb
     want_deq = deq.shape[0] == n
     want_res = residual.shape[0] > 0
@@ -77,24 +76,28 @@ def _quantise(src, bits, block, scales, out, deq, residual, res_off):
         hi = min(n, lo + block)
         s = scales[b]
         usable = s > 0 and s <= np.float32(3.4028234663852886e38)  # not 0, NaN or Inf
-        for j in range(base + lo // per, base + (hi + per - 1) // per):
-            out[j] = 0
-        for i in range(lo, hi):
-            q = np.float32(0.0)
-            if usable:
-                q = np.rint(src[i] / s)
-                if q > fq:
-                    q = fq
-                elif q < -fq:
-                    q = -fq
-            level = np.int64(q)
-            j = base + i // per
-            out[j] = out[j] | np.uint8(((level + qmax) & mask) << ((i % per) * bits))
-            d = np.float32(level) * s  # from the integer, as _dequantise: -0.0 rounds to level 0, +0.0
-            if want_res:
-                residual[res_off + i] = src[i] - d
-            if want_deq:
-                deq[i] = d
+        # byte by byte (a block is whole bytes: block % 8 == 0), so no division per element
+        for j in range(lo // per, (hi + per - 1) // per):
+            byte = 0
+            for t in range(per):
+                i = j * per + t
+                if i >= hi:
+                    break
+                q = np.float32(0.0)
+                if usable:
+                    q = np.rint(src[i] / s)
+                    if q > fq:
+                        q = fq
+                    elif q < -fq:
+                        q = -fq
+                level = np.int64(q)
+                byte |= (level + qmax) << (t * bits)
+                d = np.float32(level) * s  # from the integer, as _dequantise: -0.0 rounds to level 0, +0.0
+                if want_res:
+                    residual[res_off + i] = src[i] - d
+                if want_deq:
+                    deq[i] = d
+            out[base + j] = np.uint8(byte)
 
 
 @njit(cache=True, parallel=True)
@@ -108,13 +111,19 @@ def _dequantise(buf, bits, block, scales, own, out):
     add = own.shape[0] == n
     for b in prange(nb):
         s = scales[b]
-        for i in range(b * block, min(n, b * block + block)):
-            code = (np.int64(buf[base + i // per]) >> ((i % per) * bits)) & mask
-            d = np.float32(code - qmax) * s
-            if add:
-                out[i] = d + own[i]
-            else:
-                out[i] = d
+        lo = b * block
+        hi = min(n, lo + block)
+        for j in range(lo // per, (hi + per - 1) // per):
+            byte = np.int64(buf[base + j])
+            for t in range(per):
+                i = j * per + t
+                if i >= hi:
+                    break
+                d = np.float32(((byte >> (t * bits)) & mask) - qmax) * s
+                if add:
+                    out[i] = d + own[i]
+                else:
+                    out[i] = d
 
 
 def scale_bits(amax: np.ndarray, bits: int) -> np.ndarray:
