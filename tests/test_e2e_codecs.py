@@ -67,7 +67,7 @@ def test_one_nan_call_does_not_poison_the_calls_after_it(tmp_path):
     reset_state(). Through 2 real daemons, every registry codec that keeps state."""
     specs = [("marsit", {}), ("marsit", {"momentum": 0.9}), ("birdplus", {}), ("birdplus", {"mode": "shared"}),
              ("bird", {}), ("topk", {"momentum": 0.9}), ("dgc", {}), ("efsign", {}), ("signcascade", {}),
-             ("randomk", {"error_feedback": True})]
+             ("randomk", {"error_feedback": True}), ("lowbit", {})]
     with LocalCluster(2, tmp_path) as cl:
         res = cl.run(workers.nan_then_clean_rounds, specs, 20011, 3, timeout=280)
     for name, params in specs:
