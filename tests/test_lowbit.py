@@ -209,3 +209,32 @@ def test_state_changes_only_with_a_committed_round():
         else:
             assert not state["v"].any()
     assert get_codec("lowbit", error_feedback=False).new_state(n) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_any_bytes_of_the_right_length_decode_without_harm(bits):
+    # bytes from a peer: any scale (NaN, Inf, subnormal) and any code decode to some float32 each
+    n, block = 1000, 64
+    buf = np.random.default_rng(bits).integers(0, 256, K.nbytes(n, bits, block), dtype=np.uint8)
+    out = np.empty(n, np.float32)
+    K.decode(buf, bits, block, out)
+    K.decode(buf, bits, block, out, out)
+    assert out.shape == (n,)
+
+
+def test_a_peer_with_another_encoding_fails_the_round_not_hangs():
+    from birdnet.errors import BirdnetError, ProtocolError
+    xs = [data(1000, r) for r in range(3)]
+    wires = [LowbitWire(8, 64), LowbitWire(4, 64), LowbitWire(8, 64)]
+    errors = []
+
+    def node(t):
+        try:
+            return ring_allreduce(t, xs[t.rank], timeout=2.0, wire=wires[t.rank])
+        except BirdnetError as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises(BirdnetError):
+        MemoryRing(3).run(node, timeout=30.0)
+    assert any(isinstance(e, ProtocolError) and "bytes" in str(e) for e in errors)
