@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import zmq
 from birdnet.daemon.engine import Contribution, LocalRound
-from birdnet.daemon.sessions import MAX_DEPARTED, SEQ_WINDOW, Job, PendingCall
+from birdnet.daemon.sessions import MAX_DEPARTED, Job, PendingCall
 
 from birdnet.errors import BirdnetError, CodecError, InputError, ProcessLostError, RoundTimeoutError, to_wire
 from birdnet.requests import ANONYMOUS_PREFIX, FLOAT_DTYPES, OPS, SUM_DTYPES, Submit, Warm
@@ -119,7 +119,7 @@ class Calls:
     def handle_submit(self, identity: bytes, h: Submit) -> None:
         s = self._session(identity)
         call, seq, kind = h.call, h.seq, h.kind  # types and ranges: birdnet.requests.decode
-        if seq in s.used_seqs or seq < s.last_seq - SEQ_WINDOW:
+        if s.seq_used(seq):
             raise InputError(f"call {seq} was already submitted by this process (pid {s.pid}); call numbers are "
                              "used once (only birdnet.client numbers calls)")
         gone = None
@@ -197,11 +197,7 @@ class Calls:
             s.door.unlink()
             if s.bell is not None:
                 s.bell.unlink()
-        s.used_seqs.add(seq)
-        if seq > s.last_seq:
-            s.last_seq = seq
-            if len(s.used_seqs) > SEQ_WINDOW:
-                s.used_seqs = {q for q in s.used_seqs if q >= seq - SEQ_WINDOW}
+        s.use_seq(seq)
         if array is not None:
             s.inflight[slot] = call
         if seq not in j.pending:

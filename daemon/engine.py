@@ -1340,7 +1340,6 @@ class RingWorker(threading.Thread):
             if self.commits and isinstance(transport, RoundTransport):
                 # a stopped node may hold up the count for long: as long as a round may wait
                 transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
-            self.runner.commit(rnd)
         except LaneGivenUp:
             raise
         except BirdnetError as exc:
@@ -1365,4 +1364,12 @@ class RingWorker(threading.Thread):
             # counted before the processes hear of the result: a status they ask for next shows it
             self.lane_rounds += 1
         self._finish(rnd)
+        # The codec state's change once the processes have the result: every node holds it, and
+        # this thread applies the change before it runs any later round. Its finite check is a pass
+        # over each state array; before the release, it ran on every node at once (all are released
+        # by the count within a few hops) and held back every node's result.
+        try:
+            self.runner.commit(rnd)
+        except Exception:  # noqa: BLE001 - the result is out; the next round must still run
+            log.exception("round %s: its codec-state change failed on this node", rnd.key)
         return None

@@ -274,6 +274,26 @@ def test_same_call_number_twice_in_flight_is_refused(node):
         n.healthy()
 
 
+def test_call_numbers_used_are_refused_within_the_window_and_trimmed_in_batches():
+    """A session refuses every call number it used within SEQ_WINDOW below its highest, and the
+    set it keeps is rebuilt once per window, not on every submit past the first window (it was: a
+    set comprehension over 4,096 numbers per call on the daemon's main thread)."""
+    from birdnet.daemon.sessions import SEQ_WINDOW, Session
+
+    s = Session(identity=b"x", pid=1, job="j", local_index=0)
+    rebuilds, kept = 0, s.used_seqs
+    for seq in range(3 * SEQ_WINDOW + 7):
+        assert not s.seq_used(seq)
+        s.use_seq(seq)
+        rebuilds += s.used_seqs is not kept
+        kept = s.used_seqs
+        assert len(s.used_seqs) <= 2 * SEQ_WINDOW + 1
+    last = 3 * SEQ_WINDOW + 6
+    assert rebuilds <= 3, rebuilds
+    assert all(s.seq_used(q) for q in range(last - SEQ_WINDOW - 5, last + 1))
+    assert s.seq_used(0) and not s.seq_used(last + 1)
+
+
 # -- 4: garbage in the submit FIFO ----------------------------------------------------------------------
 def _fifo_session(node: Node, job: str):
     r = node.raw()

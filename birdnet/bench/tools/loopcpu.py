@@ -12,7 +12,9 @@ torch.distributed/Gloo ranks (birdnet.bench.gloo_worker) do the same sizes GLOO_
 back; their processes' CPU per call, summed. Far more calls than ``birdnet bench allreduce``'s 7:
 on this 2-core VM Gloo's CPU over 7 calls varied 1.5-2.4x between runs of the same code. With
 ``--buffer`` the calls pass a ``client.buffer`` array, filled once: no copy into shared memory, as
-Gloo reduces its tensor in place (the round's result is written back into the buffer). A
+Gloo reduces its tensor in place (the round's result is written back into the buffer).
+``--chunk-bytes`` and ``--max-chunk-bytes`` are the daemons' (one message per ring step, as the
+bare ring sends: ``--chunk-bytes`` above a segment's bytes and ``--max-chunk-bytes 0``). A
 measuring tool, not part of birdnet.
 """
 import argparse
@@ -80,17 +82,25 @@ def main() -> int:
     p.add_argument("--gloo-calls", type=int, default=100)
     p.add_argument("--buffer", action="store_true",
                    help="call with a client.buffer array (never refilled) instead of the process's own array")
+    p.add_argument("--chunk-bytes", type=int, default=None, help="birdnetd --chunk-bytes (default: its own)")
+    p.add_argument("--max-chunk-bytes", type=int, default=None,
+                   help="birdnetd --max-chunk-bytes (default: its own; 0: chunks of --chunk-bytes always)")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
     calls = [int(x) for x in a.calls.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        with LocalCluster(NODES, Path(tmp), peer_timeout=30, heartbeat_interval=1.0) as cl:
+        extra = [] if a.chunk_bytes is None else ["--chunk-bytes", str(a.chunk_bytes),
+                                                    "--max-message-bytes", str(max(2 * a.chunk_bytes, 1 << 26))]
+        if a.max_chunk_bytes is not None:
+            extra += ["--max-chunk-bytes", str(a.max_chunk_bytes)]
+        with LocalCluster(NODES, Path(tmp), peer_timeout=30, heartbeat_interval=1.0, extra=extra) as cl:
             pids = [pr.pid for pr in cl.procs]
             per_node = cl.run(worker, sizes, calls, pids, a.buffer, per_node=1, timeout=3600)
     g = gloo(sizes, a.gloo_calls)
     rows = []
     for n in sizes:
         row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "buffer": a.buffer,
+               "chunk_bytes": a.chunk_bytes, "max_chunk_bytes": a.max_chunk_bytes,
                "wall_ms": statistics.median(pn[n]["wall"] for pn in per_node) * 1e3}
         for kind in ("client", "main", "ring", "zmq_io", "other"):
             row[f"{kind}_ms"] = sum(pn[n].get(kind, 0.0) for pn in per_node) * 1e3

@@ -1,5 +1,5 @@
 """Markdown tables for docs/benchmarks.md from the JSON that `birdnet bench allreduce --json` and
-`birdnet bench train --json` write: `python -m birdnet.bench.tools.tables ar|time|loop|train FILE.json`."""
+`birdnet bench train --json` write: `python -m birdnet.bench.tools.tables ar|time|loop|release|train FILE.json`."""
 import json
 import sys
 
@@ -80,7 +80,30 @@ def loop(path):
     return "\n".join(out)
 
 
+def release(path):
+    """Where a loop call's end goes: per row, the medians over the loop's calls of the spread of the
+    nodes' data-phase ends and of the time from the last node's data-phase end to the first node's
+    result (the commit count, the codec state's commit and the hand-off out; negative when a node
+    released before another finished, as nothing made it wait), ms, from the JSON's loop_trace."""
+    import statistics
+
+    d = json.load(open(path))
+    out = ["| count | codec | loop (s) | data ends spread (ms) | last data end to first result (ms) |",
+           "|---:|---|---:|---:|---:|"]
+    for r in d["rows"]:
+        tr = r.get("loop_trace")
+        if not tr:
+            continue
+        calls = range(len(tr[0]["stats"]))
+        ends = [[node["stats"][i]["t_end"] for node in tr] for i in calls]
+        results = [[node["marks"][i][2] for node in tr] for i in calls]
+        spread = statistics.median(max(e) - min(e) for e in ends) * 1e3
+        lag = statistics.median(min(res) - max(e) for e, res in zip(ends, results)) * 1e3
+        out.append(f"| {r['count']:,} | {r['codec']} | {r['loop_s']:.4f} | {spread:.1f} | {lag:.1f} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     kind, path = sys.argv[1], sys.argv[2]
-    print({"ar": ar, "time": time_split, "loop": loop, "train": train}[kind](path))
+    print({"ar": ar, "time": time_split, "loop": loop, "release": release, "train": train}[kind](path))
 
