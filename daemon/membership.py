@@ -304,7 +304,7 @@ class FixedRing:
         lost = net.lost()
         if not lost:
             return True
-        worker._close_lane()  # every node learns of the loss; rounds start with an agreement after it
+        worker.lane.close()  # every node learns of the loss; rounds start with an agreement after it
         for key in list(worker.order):
             rnd = worker.ready[key]
             worker._fail_alone(rnd, PeerLostError(
@@ -367,8 +367,8 @@ class FixedRing:
             return
         job, seq = parsed
         for k in [k for k in worker.order if worker.ready[k].job == job and worker.ready[k].seq < seq
-                  and k != worker.lane_running]:
-            worker._remember_failed(k, "PeerLostError", f"the leader rank {leader} has gone on to round {key}")
+                  and k != worker.lane.running]:
+            worker.ledger.remember_failed(k, "PeerLostError", f"the leader rank {leader} has gone on to round {key}")
             worker._finish(worker.ready[k], RoundAborted(
                 f"round {k} will not run: the leader rank {leader} has gone on to round {key} of the job (the "
                 "call failed on the other nodes while this node was stopped or cut off)"))
