@@ -42,10 +42,10 @@ import logging
 import time
 from typing import Any
 
-from birdnet.daemon.membership import RingNeighbours, RoundAborted, RoundRetry
+from birdnet.daemon.membership import RingNeighbours, RoundRetry
 
 from birdnet import wire
-from birdnet.errors import PeerLostError
+from birdnet.errors import PeerLostError, RoundAborted
 from birdnet.messages import Abort, Membership, is_int
 
 log = logging.getLogger("birdnet.elastic")

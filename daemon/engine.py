@@ -34,7 +34,7 @@ from typing import Any
 from birdnet.daemon.agreement import description, verdicts_of_start
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
-from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundAborted, RoundRetry
+from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundRetry
 from birdnet.daemon.rounds import Phase, Round
 from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importable from here as before
     AGREED,
@@ -53,10 +53,13 @@ from birdnet.errors import (
     BirdnetError,
     InputError,
     PeerLostError,
+    ProcessLostError,
     ProtocolError,
+    RoundAborted,
     RoundTimeoutError,
     ShutdownError,
-    from_wire,
+    rebuild,
+    with_message,
 )
 from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_go
 from birdnet.osutil import name_os_thread
@@ -170,7 +173,7 @@ class RingWorker(threading.Thread):
                 self.ledger.note_submitted(item.job, item.seq)
                 t = self.ledger.tombstone(item.key)
                 if t is not None:
-                    self._finish(item, from_wire({"error": t.error_class, "message": t.message}))
+                    self._finish(item, rebuild(t.error_class, t.message))
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -204,7 +207,7 @@ class RingWorker(threading.Thread):
         for k in list(self.order):
             r = self.ready[k]
             if r.job == job and r.seq > seq:
-                self._finish(r, from_wire({"error": "ProcessLostError", "message": reason}))
+                self._finish(r, ProcessLostError(reason))
 
     def _forget_job(self, job: str) -> None:
         """The job's processes on this node all left and a new one came: its call numbering starts
@@ -240,7 +243,7 @@ class RingWorker(threading.Thread):
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
         if isinstance(error, RoundAborted) and error.cls:
-            error = from_wire({"error": error.cls, "message": error.reason})  # the class its origin saw
+            error = error.as_origin()  # the class its origin saw
         self.ready.pop(rnd.key, None)
         if rnd.key in self.order:
             self.order.remove(rnd.key)
@@ -572,11 +575,10 @@ class RingWorker(threading.Thread):
                 continue
             if not v.ok:
                 all_ok = False
-                self._finish(rnd, from_wire({"error": v.error_class or "RoundMismatchError", "message": str(v.error)}))
+                self._finish(rnd, rebuild(v.error_class or "RoundMismatchError", v.error))
             elif failed is not None:
                 self._abort(v.key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
-                self._finish(rnd, from_wire({"error": type(failed).__name__,
-                                             "message": f"an earlier round of the same batch failed: {failed}"}))
+                self._finish(rnd, with_message(failed, f"an earlier round of the same batch failed: {failed}"))
             else:
                 counts = list(v.counts)
                 self.membership.note_contributors(rnd, counts, agreed.ring)

@@ -33,28 +33,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from birdnet.errors import PeerLostError, ProtocolError, RoundTimeoutError
+from birdnet.errors import PeerLostError, ProtocolError, RoundAborted, RoundTimeoutError  # noqa: F401 - RoundAborted: importable from here as before
 from birdnet.messages import Abort
 from birdnet.wire import split_key
 
 log = logging.getLogger("birdnet.membership")
-
-
-class RoundAborted(PeerLostError):
-    """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
-    fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
-    first) until it is back next to its origin; the next round starts normally. ``cls`` is the
-    error class the origin failed the round with, when it was not a lost peer (a lane round whose
-    descriptions differ fails with RoundMismatchError on every node)."""
-
-    def __init__(self, reason: str, origin: int | None = None, cls: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.origin, self.cls = reason, origin, cls
-
-    @classmethod
-    def of(cls, abort: Abort) -> RoundAborted:
-        """The error of a round that an ``abort`` message failed."""
-        return cls(abort.reason, abort.origin, abort.error_class)
 
 
 class RoundRetry(Exception):
