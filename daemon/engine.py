@@ -34,7 +34,7 @@ from typing import Any
 from birdnet.daemon.agreement import description, verdicts_of_start
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
-from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundRetry
+from birdnet.daemon.membership import FixedRing, LaneGivenUp, MembershipStrategy, RoundRetry
 from birdnet.daemon.rounds import Phase, Round
 from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importable from here as before
     AGREED,
@@ -84,7 +84,7 @@ class RingWorker(threading.Thread):
         if membership is None:  # a one-node ring, or a test's stand-in net
             membership = FixedRing(settings, rank, world)
             membership.bind(net)
-        self.membership = membership
+        self.membership: MembershipStrategy = membership
         self.runner, self.done = runner, done
         self.inbox: queue.Queue[LocalRound | None] = queue.Queue()
         self.ready: dict[str, LocalRound] = {}
@@ -216,6 +216,50 @@ class RingWorker(threading.Thread):
         if self.lane.at is not None and self.lane.at[0] == job:
             self.lane.close()  # its numbering starts again: the leader agrees its next round
         self.membership.forget_job(job)
+
+    # -- what the membership decides, applied to this worker's tables ----------------------------------
+    def _check_liveness(self) -> bool:
+        """Whether rounds may run now (the membership's answer); the rounds waiting here fail now
+        when it says they must."""
+        lv = self.membership.check_liveness(bool(self.order))
+        if lv.failure is not None:
+            self.lane.close()  # every node learns of the loss; rounds start with an agreement after it
+            for key in list(self.order):
+                rnd = self.ready[key]
+                err = PeerLostError(lv.failure(key, rnd.desc.get("name")))
+                if lv.tell_ring:
+                    self._fail_alone(rnd, err)
+                else:
+                    self._finish(rnd, err)
+        return lv.live
+
+    def _overtaken(self, key: str, leader: int) -> None:
+        """The leader started round ``key``: the rounds held here that it has gone past fail."""
+        waiting = [self.ready[k] for k in self.order]
+        for o in self.membership.overtaken(key, leader, waiting, self.lane.running):
+            if o.remember is not None:
+                self.ledger.remember_failed(o.key, "PeerLostError", o.remember)
+            if o.key in self.ready:
+                self._finish(self.ready[o.key], o.error)
+
+    def _align(self, key: str) -> None:
+        """Shift the call numbers of this node's waiting rounds of ``key``'s job as the membership
+        says (an elastic joiner's become the cluster's at its first start)."""
+        parsed = split_key(key)
+        delta = self.membership.align(key, [self.ready[k] for k in self.order])
+        if not delta or parsed is None:
+            return
+        for rnd in sorted((self.ready[k] for k in self.order if self.ready[k].job == parsed[0]), key=lambda r: r.seq):
+            old = rnd.key
+            rnd.seq += delta
+            self.ready[rnd.key] = self.ready.pop(old)
+            self.order[self.order.index(old)] = rnd.key
+
+    def _applied(self, ring: Any, go: dict[str, Any] | None) -> None:
+        """An agreement passed: its membership becomes this node's; a new epoch starts every member
+        from empty codec state."""
+        if self.membership.applied(ring, go):
+            log.info("codec states dropped for the new membership epoch: %d", self.runner.states.clear())
 
     def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
         """Fail a round on this node before the leader's verdict, and tell the ring: a node that
@@ -362,7 +406,7 @@ class RingWorker(threading.Thread):
         net, m = self.net, self.membership
         while not self.stopping:
             self._take_inbox()
-            live = m.check_liveness(self)  # fails what cannot run (a lost peer, no majority)
+            live = self._check_liveness()  # fails what cannot run (a lost peer, no majority)
             if self.lane.at is not None and live and self._lane_step():
                 continue
             leader = m.leader(live)
@@ -385,7 +429,7 @@ class RingWorker(threading.Thread):
             handler = self._handlers.get(msg["h"].get("t")) if msg is not None else None
             followed = handler(msg) if handler is not None else False
             if not followed and leader is not None and leader != self.rank and self.order:
-                m.waiting_for_start(self, leader)
+                m.waiting_for_start(self.order[0], leader)
                 if isinstance(m, FixedRing):
                     self._repeat_aborts()
 
@@ -521,7 +565,7 @@ class RingWorker(threading.Thread):
         a training step's many tensors cost one agreement instead of one each. The membership
         proposes the ring (and what its start and go carry)."""
         m, net = self.membership, self.net
-        ring = m.propose(self)
+        ring = m.propose()
         if ring is None:
             # not enough nodes want to take part yet (elastic: restarted without their processes)
             self._expire_unstarted()
@@ -558,7 +602,7 @@ class RingWorker(threading.Thread):
             self._report(key, exc)
             self._finish(rnd, exc)
             return
-        m.applied(self, ring, None)
+        self._applied(ring, None)
         self._granted(self._run_batch(verdicts, rd), lane)
 
     def _run_batch(self, verdicts: list[Verdict], agreed: Round) -> bool:
@@ -595,7 +639,7 @@ class RingWorker(threading.Thread):
         if not isinstance(key, str) or not isinstance(descs, list):
             return
         m, net = self.membership, self.net
-        ring = m.ring_of_start(self, h, sender)
+        ring = m.ring_of_start(h, sender)
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
@@ -608,10 +652,10 @@ class RingWorker(threading.Thread):
         while True:
             self._take_inbox()
             if key not in self.ready:
-                m.align(self, key)  # an elastic joiner's call numbers become the cluster's
+                self._align(key)  # an elastic joiner's call numbers become the cluster's
             if key in self.ready:
                 break
-            m.overtaken(self, key, ring.leader)
+            self._overtaken(key, ring.leader)
             if self.stopping:
                 return
             if time.monotonic() > rd.deadline:
@@ -691,7 +735,7 @@ class RingWorker(threading.Thread):
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        m.applied(self, ring, g)
+        self._applied(ring, g)
         verdicts = verdicts_of_go(g, key, ring.world, self.ready)
         rd.verdict = verdicts[0]
         lane = g.get("lane")

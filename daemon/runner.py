@@ -145,6 +145,12 @@ class StateStore:
             del self.states[k]
         return len(keys)
 
+    def clear(self) -> int:
+        """Drop every state (a new elastic membership epoch); returns how many there were."""
+        n = len(self.states)
+        self.states.clear()
+        return n
+
     def total_bytes(self) -> int:
         return sum(v.nbytes for v in self.states.values())
 
