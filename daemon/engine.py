@@ -672,26 +672,11 @@ class RingWorker(threading.Thread):
                     self.ledger.remember_failed(key, "PeerLostError", why)
                     self._abort(key, why)
                 return
-            t = self.ledger.tombstone(key)
-            if t is not None:
-                # this node failed the round already (alone, before any verdict): fail it everywhere
-                descs.append([self.rank, {"error": t.message, "error_class": t.error_class}])
-                ring.send(net, {**start, "descs": descs, "more": []})
-                self._pass_go(rd)
-                return
-            gone = self.ledger.departed_before(key, self.membership.offsets)
-            if gone is not None:
-                # This node's processes of the job can never submit: fail the round everywhere now.
-                descs.append([self.rank, {"error": f"node rank {self.rank}: {gone}",
-                                          "error_class": "ProcessLostError"}])
-                ring.send(net, {**start, "descs": descs, "more": []})
-                self._pass_go(rd)
-                return
-            if self.ledger.ended_here(key, self.ready, self.restarted_jobs):
-                descs.append([self.rank, {"error": (
-                    f"call {key} already ended on node rank {self.rank} (it failed there while the ring "
-                    f"was broken; its processes went on to call {self.submitted[split_key(key)[0]]})"),
-                    "error_class": "PeerLostError"}])
+            doomed = self.ledger.doomed(key, self.rank, self.ready, self.restarted_jobs, self.membership.offsets)
+            if doomed is not None:
+                # this node cannot take part (it failed the round already, alone, before any verdict;
+                # its processes of the job left, or went past it): fail the round everywhere now
+                descs.append([self.rank, {"error": doomed[0], "error_class": doomed[1]}])
                 ring.send(net, {**start, "descs": descs, "more": []})
                 self._pass_go(rd)
                 return

@@ -102,6 +102,23 @@ class RoundLedger:
         return (parsed is not None and key not in waiting and parsed[0] not in self.departed
                 and parsed[0] not in restarted_jobs and self.submitted.get(parsed[0], -1) > parsed[1])
 
+    def doomed(self, key: str, rank: int, waiting: Container[str], restarted_jobs: Container[str],
+               offsets: Mapping[str, int]) -> tuple[str, str] | None:
+        """Why node ``rank`` can never give its part of round ``key`` (not ``waiting`` there), as
+        (message, error class) for its description in the leader's start, else None: it failed the
+        round already (alone, before any verdict), its processes of the job left before it, or they
+        went past it (:meth:`ended_here`)."""
+        t = self.tombstone(key)
+        if t is not None:
+            return t.message, t.error_class
+        gone = self.departed_before(key, offsets)
+        if gone is not None:
+            return f"node rank {rank}: {gone}", "ProcessLostError"
+        if self.ended_here(key, waiting, restarted_jobs):
+            return (f"call {key} already ended on node rank {rank} (it failed there while the ring was broken; "
+                    f"its processes went on to call {self.submitted[split_key(key)[0]]})"), "PeerLostError"
+        return None
+
     def note_departed_elsewhere(self, job: str, seq: int, reason: str, slack: int) -> bool:
         """A process of ``job`` left another node at call ``seq``. Applied (True) only while this
         node's processes of the job are at that call or past it (``slack`` calls of a batch
