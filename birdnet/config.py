@@ -95,7 +95,7 @@ class Settings:
     #: majority is live, and takes a returning node back); docs/architecture.md "Elastic mode"
     elastic: bool = False
     #: cluster-wide: after an agreed round, a job's next dense all-reduce starts without an agreement
-    #: (daemon/engine.py, "the dense lane"); off, every round waits for the leader's start/go
+    #: (daemon/lane.py); off, every round waits for the leader's start/go
     dense_lane: bool = True
     #: "all": at start a subprocess compiles every registry codec's kernels into Numba's on-disk
     #: cache; "used": only a codec's first call has them compiled. Either way a call waits until
@@ -111,7 +111,7 @@ class Settings:
     # peer_timeout expects is declared lost while it is alive, and the two sides disagree on when a
     # peer is lost (one fails a round the other still waits for). state_limit_bytes too: codec state
     # is dropped (least recently used) at the cap, and every node must drop the same states at the
-    # same round (daemon/engine.py StateStore)
+    # same round (daemon/runner.py StateStore)
     CLUSTER_WIDE = ("cluster", "cluster_seed", "codec", "codec_params", "dense_threshold", "chunk_bytes",
                     "max_chunk_bytes", "hop_latency_bytes", "nan_policy", "local_size", "heartbeat_interval", "peer_timeout",
                     "state_limit_bytes")

@@ -7,6 +7,8 @@ rebuilt on the client side by :func:`from_wire`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 class BirdnetError(Exception):
     """Base class. Reaction: depends on the subclass; never leaves the daemon in a bad state."""
@@ -96,6 +98,30 @@ class UnsupportedError(InputError, NotImplementedError):
     raised in the calling process before anything is sent; the daemons and other jobs are unaffected."""
 
 
+
+class RoundAborted(PeerLostError):
+    """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
+    fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
+    first) until it is back next to its origin; the next round starts normally. ``cls`` is the
+    error class the origin failed the round with, when it was not a lost peer (a lane round whose
+    descriptions differ fails with RoundMismatchError on every node): :meth:`as_origin` is the
+    error the round's processes get. Internal to the daemon: it reaches a client as its origin's
+    class, else as PeerLostError."""
+
+    def __init__(self, reason: str, origin: int | None = None, cls: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.origin, self.cls = reason, origin, cls
+
+    @classmethod
+    def of(cls, abort: Any) -> RoundAborted:
+        """The error of a round that an ``abort`` message (birdnet.messages.Abort) failed."""
+        return cls(abort.reason, abort.origin, abort.error_class)
+
+    def as_origin(self) -> BirdnetError:
+        """The error with the class its origin failed the round with (itself when none is named)."""
+        return rebuild(self.cls, self.reason) if self.cls else self
+
+
 _BY_NAME = {cls.__name__: cls for cls in [
     BirdnetError, ConfigError, ProtocolError, VersionMismatchError, SessionLostError, InputError, RoundMismatchError,
     CodecError, StateLimitError, DaemonUnavailableError, PeerLostError, ProcessLostError, RoundTimeoutError,
@@ -103,14 +129,30 @@ _BY_NAME = {cls.__name__: cls for cls in [
 ]}
 
 
+def known_name(exc: BaseException) -> str:
+    """The name of the nearest class of ``exc`` the other side knows (a RoundAborted's origin's
+    class, else PeerLostError)."""
+    if isinstance(exc, RoundAborted):
+        exc = exc.as_origin()
+    return next((c.__name__ for c in type(exc).__mro__ if _BY_NAME.get(c.__name__) is c), "BirdnetError")
+
+
 def to_wire(exc: BaseException) -> dict:
     """Encode an exception for the client socket."""
-    # the nearest class the other side knows (e.g. the daemon's RoundAborted travels as PeerLostError)
-    name = next((c.__name__ for c in type(exc).__mro__ if _BY_NAME.get(c.__name__) is c), "BirdnetError")
-    return {"error": name, "message": str(exc)}
+    return {"error": known_name(exc), "message": str(exc)}
+
+
+def with_message(exc: BaseException, message: str) -> BirdnetError:
+    """An error of ``exc``'s class (:func:`known_name`) saying ``message`` instead."""
+    return rebuild(known_name(exc), message)
+
+
+def rebuild(name: Any, message: Any) -> BirdnetError:
+    """The error of class ``name`` (as a node of the ring named it: an abort's or a verdict's error
+    class) with ``message``; unknown names become ``BirdnetError``."""
+    return _BY_NAME.get(str(name), BirdnetError)(str(message))
 
 
 def from_wire(d: dict) -> BirdnetError:
     """Rebuild an exception sent by :func:`to_wire`; unknown names become ``BirdnetError``."""
-    cls = _BY_NAME.get(str(d.get("error")), BirdnetError)
-    return cls(str(d.get("message", "")))
+    return rebuild(d.get("error"), d.get("message", ""))

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from birdnet.daemon.membership import RingNeighbours, RoundAborted, RoundRetry
+from birdnet.daemon.membership import Liveness, Overtaken, RingNeighbours, RoundRetry
 
 from birdnet import wire
-from birdnet.errors import PeerLostError
+from birdnet.errors import PeerLostError, RoundAborted
 from birdnet.messages import Abort, Membership, is_int
 
 log = logging.getLogger("birdnet.elastic")
@@ -137,11 +138,11 @@ class ElasticRing:
     def lane_allowed(self) -> bool:
         return False
 
-    def check_liveness(self, worker: Any) -> bool:
+    def check_liveness(self, want: bool) -> Liveness:
         """A majority of the hosts file must be heard for rounds to start; without one for
-        peer_timeout, the rounds waiting here fail."""
+        peer_timeout, the rounds waiting here (``want``) fail."""
         net = self.net
-        self.want = bool(worker.order)
+        self.want = want
         heard = self.heard = net.alive()
         now = time.monotonic()
         quorum = 2 * len(heard) > self.world
@@ -150,12 +151,11 @@ class ElasticRing:
         elif self.no_quorum_since is None:
             self.no_quorum_since = now
         if not quorum and now - self.no_quorum_since > self.settings.peer_timeout:
-            lost = net.lost() or set(range(self.world)) - heard
-            for key in list(worker.order):
-                worker._finish(worker.ready[key], PeerLostError(
-                    f"lost peer {net.describe_lost(lost)}: elastic mode needs a majority of the "
-                    f"{self.world} nodes live, {len(heard)} are; round {key} cannot run"))
-        return quorum
+            who = net.describe_lost(net.lost() or set(range(self.world)) - heard)
+            return Liveness(False, lambda key, name: (
+                f"lost peer {who}: elastic mode needs a majority of the {self.world} nodes live, "
+                f"{len(heard)} are; round {key} cannot run"))
+        return Liveness(quorum)
 
     def _epoch_of(self, r: int) -> int:
         if r == self.rank:
@@ -210,7 +210,7 @@ class ElasticRing:
         changed = ring != self.members or joiners or self.leader_rank != self.rank or self.epoch == 0
         return ring, self.epoch + 1 if changed else self.epoch, joiners, incs
 
-    def propose(self, worker: Any) -> RingNeighbours | None:
+    def propose(self) -> RingNeighbours | None:
         ring, ep, joiners, incs = self._proposal(self.heard)
         if 2 * len(ring) <= self.world:
             return None  # not enough nodes want to take part yet (restarted without their processes)
@@ -218,7 +218,7 @@ class ElasticRing:
         self.current = RingNeighbours(self.net, ring, self.rank, member.fields())
         return self.current
 
-    def ring_of_start(self, worker: Any, h: dict[str, Any], sender: int | None) -> RingNeighbours | None:
+    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> RingNeighbours | None:
         """The ring a start names, if this node is in it, the epoch is not older than its own and the
         start came from the member before it; a joiner notes the epoch it is admitted in."""
         m = Membership.from_header(h, self.world)
@@ -251,22 +251,21 @@ class ElasticRing:
     def send_abort(self, abort: Abort) -> None:
         self.net.send(abort.header(), to=self.next_rank)
 
-    def applied(self, worker: Any, ring: RingNeighbours, go: dict[str, Any] | None) -> None:
+    def applied(self, ring: RingNeighbours, go: dict[str, Any] | None) -> bool:
         """The membership of an agreement that passed becomes this node's (the leader's when it sent
-        the go, a follower's when the go passed)."""
+        the go, a follower's when the go passed). True when its epoch is new: every member then
+        starts it from the same (empty) codec state, so results stay bit-identical."""
         f = ring.fields
         ep, members, leader = f["ep"], list(f["S"]), f["L"]
         incs = f.get("I") if go is None else go.get("I")
-        if ep != self.epoch:
-            # Every member starts the new epoch from the same (empty) codec state: bit-identical.
-            dropped = len(worker.runner.states.states)
-            worker.runner.states.states.clear()
-            log.info("membership epoch %d: ring %s, leader rank %d (codec states dropped: %d)", ep, members,
-                     leader, dropped)
+        new_epoch = ep != self.epoch
+        if new_epoch:
+            log.info("membership epoch %d: ring %s, leader rank %d (codec states dropped)", ep, members, leader)
         self.epoch, self.members, self.leader_rank = ep, members, leader
         self.applied_at = time.monotonic()
         if isinstance(incs, dict):
             self.member_inc = {int(k): str(v) for k, v in incs.items() if str(k).isdigit()}
+        return new_epoch
 
     def note_contributors(self, rnd: Any, counts: list[int], ring: Any) -> None:
         rnd.stats["contributors"] = [r for r, c in zip(ring.members, counts) if c > 0]
@@ -285,30 +284,27 @@ class ElasticRing:
             log.info("job %r restarted on this node: its call numbers are its own again", job)
         self.aligned.discard(job)
 
-    def align(self, worker: Any, key: str) -> None:
-        """A joiner's first rounds: make its lowest waiting round of the job the one the leader started."""
+    def align(self, key: str, waiting: Sequence[Any]) -> int:
+        """A joiner's first rounds: by how much to shift the call numbers of its ``waiting`` rounds
+        of the job so that its lowest is the one the leader started (0: none)."""
         parsed = wire.split_key(key)
         if self.join_epoch is None or parsed is None or parsed[0] in self.aligned:
-            return
+            return 0
         job, seq = parsed
-        if key in worker.ready:
+        if any(r.key == key for r in waiting):
             self.aligned.add(job)
-            return
-        mine = sorted((worker.ready[k] for k in worker.order if worker.ready[k].job == job), key=lambda r: r.seq)
+            return 0
+        mine = sorted(r.seq for r in waiting if r.job == job)
         if not mine:
-            return
-        delta = seq - mine[0].seq
-        for rnd in mine:
-            old = rnd.key
-            rnd.seq += delta
-            worker.ready[rnd.key] = worker.ready.pop(old)
-            worker.order[worker.order.index(old)] = rnd.key
+            return 0
+        delta = seq - mine[0]
         self.offsets[job] = self.offsets.get(job, 0) + delta
         self.aligned.add(job)
         log.info("joined the ring: job %r call numbers shifted by %+d to the cluster's (call %d is round %s)",
-                 job, delta, mine[0].seq - delta, key)
+                 job, delta, mine[0], key)
+        return delta
 
-    def overtaken(self, worker: Any, key: str, leader: int) -> None:
+    def overtaken(self, key: str, leader: int, waiting: Sequence[Any], running: str | None) -> list[Overtaken]:
         """The leader started round ``key``: every earlier round of its job is over at the leader (it
         starts a job's rounds in call order, and a round it completed had every member in it). One
         still held here failed elsewhere while this node waited to run it again: a member was lost
@@ -320,19 +316,19 @@ class ElasticRing:
             # not a member of an epoch yet (a daemon just restarted): the start may be one queued for
             # its previous life, delivered when the connection came back, and its call numbers are
             # not the leader's until it joins
-            return
+            return []
         parsed = wire.split_key(key)
         if parsed is None or (self.join_epoch is not None and parsed[0] not in self.aligned):
-            return  # a joiner's call numbers are not the cluster's until align aligns them
+            return []  # a joiner's call numbers are not the cluster's until align aligns them
         job, seq = parsed
-        for k in [k for k in worker.order if worker.ready[k].job == job and worker.ready[k].seq < seq]:
-            worker._finish(worker.ready[k], RoundAborted(
-                f"round {k} will not run: the leader rank {leader} has gone on to round {key} of the job (it "
-                f"failed on the nodes it reached, e.g. a member was lost while it started, or this node's "
-                f"processes number their calls behind the cluster's, e.g. one restarted alone)"))
+        return [Overtaken(r.key, RoundAborted(
+            f"round {r.key} will not run: the leader rank {leader} has gone on to round {key} of the job (it "
+            f"failed on the nodes it reached, e.g. a member was lost while it started, or this node's "
+            f"processes number their calls behind the cluster's, e.g. one restarted alone)"))
+            for r in waiting if r.job == job and r.seq < seq]
 
-    def waiting_for_start(self, worker: Any, leader: int) -> None:
-        """This node waits for a ``start`` and messages from its left member were lost: the start may
+    def waiting_for_start(self, key: str, leader: int) -> None:
+        """This node waits for a ``start`` (of round ``key``, its first waiting) and messages from its left member were lost: the start may
         have been among them, and the leader would wait round_timeout for it to come back round.
         Ask the leader to start the round again instead (an abort with ``retry``: no call fails; if
         nothing of the round was lost, it costs one more agreement)."""
@@ -342,7 +338,6 @@ class ElasticRing:
         gap = self.net.take_gap_from(prev)
         if not gap:
             return
-        key = worker.order[0]
         log.warning("round %s: %s; asking the leader rank %d to start it again", key, gap, leader)
         try:
             self.net.send(Abort(key, f"rank {self.rank}: {gap}", retry=True).header(), to=leader)

@@ -1,7 +1,9 @@
 """Who is in a round: the membership strategy of the one round engine.
 
 A fixed ring and an elastic ring run the same engine (``RingWorker`` in engine.py, ``PeerNet`` and
-``RoundTransport`` in peers.py). Where they differ, the engine asks its membership object:
+``RoundTransport`` in peers.py). Where they differ, the engine asks its membership object
+(:class:`MembershipStrategy`), which answers and returns decisions and never changes the worker's
+tables:
 
 ============================  ==============================  ======================================
 question                      :class:`FixedRing`              ``ElasticRing`` (elastic.py)
@@ -29,32 +31,16 @@ membership hands out per agreement and which the round's transport and the agree
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from birdnet.errors import PeerLostError, ProtocolError, RoundTimeoutError
+from birdnet.errors import PeerLostError, ProtocolError, RoundAborted, RoundTimeoutError  # noqa: F401 - RoundAborted: importable from here as before
 from birdnet.messages import Abort
 from birdnet.wire import split_key
 
 log = logging.getLogger("birdnet.membership")
-
-
-class RoundAborted(PeerLostError):
-    """The round was aborted elsewhere in the ring (the reason names where). Reaction: the round
-    fails on this node too and the abort is passed on (keeping ``origin``, the node that failed it
-    first) until it is back next to its origin; the next round starts normally. ``cls`` is the
-    error class the origin failed the round with, when it was not a lost peer (a lane round whose
-    descriptions differ fails with RoundMismatchError on every node)."""
-
-    def __init__(self, reason: str, origin: int | None = None, cls: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.origin, self.cls = reason, origin, cls
-
-    @classmethod
-    def of(cls, abort: Abort) -> RoundAborted:
-        """The error of a round that an ``abort`` message failed."""
-        return cls(abort.reason, abort.origin, abort.error_class)
 
 
 class RoundRetry(Exception):
@@ -67,6 +53,57 @@ class LaneGivenUp(Exception):
     """A lane round this node started is not going to run as one (the leader closed the lane, or
     started an agreement). No node can have written the round's buffers yet: the ring worker puts
     it back and runs it again when the leader starts it. Internal to the daemon."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Liveness:
+    """A membership's answer, each main-loop step, to "may rounds run now?"."""
+
+    live: bool
+    #: (round key, tensor name) -> why a round waiting here fails now; None: they wait
+    failure: Callable[[str, Any], str] | None = None
+    #: each failure is told round the ring (an abort naming this node as its origin)
+    tell_ring: bool = False
+
+
+LIVE = Liveness(True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overtaken:
+    """A round held here that the leader has gone past (Membership.overtaken): it fails with
+    ``error``; ``remember``: remembered as aborted with that reason, so a start of it fails at once."""
+
+    key: str
+    error: BaseException
+    remember: str | None = None
+
+
+class MembershipStrategy(Protocol):
+    """What the ring worker asks its membership (FixedRing, elastic.py's ElasticRing) about rounds.
+    A strategy answers from what it is handed and returns decisions; the worker applies them to its
+    own tables (the peer net asks it other questions: sockets, pings, liveness of peers)."""
+
+    offsets: dict[str, int]  #: job -> how far the cluster's call numbers are from this node's
+
+    def check_liveness(self, want: bool) -> Liveness: ...
+    def leader(self, live: bool) -> int | None: ...
+    def may_lead(self) -> bool: ...
+    def follows(self, h: dict[str, Any]) -> bool: ...
+    def propose(self) -> Any: ...
+    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> Any: ...
+    def retries(self, exc: BaseException) -> bool: ...
+    def on_new_start(self, key: str) -> BaseException: ...
+    def abort_of(self, key: str, reason: str, origin: int | None, cls: str | None, retry: bool) -> Abort: ...
+    def send_abort(self, abort: Abort) -> None: ...
+    def applied(self, ring: Any, go: dict[str, Any] | None) -> bool: ...
+    def align(self, key: str, waiting: Sequence[Any]) -> int: ...
+    def overtaken(self, key: str, leader: int, waiting: Sequence[Any], running: str | None) -> list[Overtaken]: ...
+    def waiting_for_start(self, key: str, leader: int) -> None: ...
+    def forget_job(self, job: str) -> None: ...
+    def note_contributors(self, rnd: Any, counts: list[int], ring: Any) -> None: ...
+    def lane_allowed(self) -> bool: ...
+    def status(self) -> dict[str, Any] | None: ...
 
 
 # -- a round's ring ---------------------------------------------------------------------------------
@@ -297,20 +334,16 @@ class FixedRing:
     def lane_allowed(self) -> bool:
         return bool(self.settings.dense_lane) and self.world > 1
 
-    def check_liveness(self, worker: Any) -> bool:
-        """Each main-loop step: whether rounds may run now. Rounds cannot run while a peer is lost:
-        they fail now, naming the peer (and the ring hears it from this node's abort)."""
-        net = self.net
-        lost = net.lost()
+    def check_liveness(self, want: bool) -> Liveness:
+        """Each main-loop step (``want``: rounds wait here): whether rounds may run now. Rounds
+        cannot run while a peer is lost: the waiting ones fail now, naming the peer, and the ring
+        hears it from this node's abort."""
+        lost = self.net.lost()
         if not lost:
-            return True
-        worker._close_lane()  # every node learns of the loss; rounds start with an agreement after it
-        for key in list(worker.order):
-            rnd = worker.ready[key]
-            worker._fail_alone(rnd, PeerLostError(
-                f"lost peer {net.describe_lost(lost)}: round {key} for tensor "
-                f"{rnd.desc.get('name')!r} cannot run; it will once the peer is back"))
-        return False
+            return LIVE
+        who = self.net.describe_lost(lost)
+        return Liveness(False, lambda key, name: (f"lost peer {who}: round {key} for tensor {name!r} cannot run; "
+                                                  "it will once the peer is back"), tell_ring=True)
 
     def leader(self, live: bool) -> int | None:
         return 0
@@ -326,11 +359,11 @@ class FixedRing:
         """The error of a follower's agreement waiting for ``go`` when a new ``start`` came instead."""
         return RoundTimeoutError(f"round {key} was abandoned by the leader")
 
-    def propose(self, worker: Any) -> FixedNeighbours | None:
+    def propose(self) -> FixedNeighbours | None:
         """The ring of the leader's next agreement (None: not now)."""
         return FixedNeighbours(self.net)
 
-    def ring_of_start(self, worker: Any, h: dict[str, Any], sender: int | None) -> FixedNeighbours | None:
+    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> FixedNeighbours | None:
         """The ring of a follower's agreement for start ``h`` (None: ignore the start)."""
         return FixedNeighbours(self.net)
 
@@ -349,32 +382,35 @@ class FixedRing:
     def abort_of(self, key: str, reason: str, origin: int | None, cls: str | None, retry: bool) -> Abort:
         return Abort(key, reason, self.rank if origin is None else origin, cls)
 
-    def applied(self, worker: Any, ring: Any, go: dict[str, Any] | None) -> None:
-        """An agreement passed (its go sent or received)."""
+    def applied(self, ring: Any, go: dict[str, Any] | None) -> bool:
+        """An agreement passed (its go sent or received). True: a new membership epoch began, and
+        every member starts it from empty codec state."""
+        return False
 
-    def align(self, worker: Any, key: str) -> None:
-        """A follower waits for its processes to submit round ``key``."""
+    def align(self, key: str, waiting: Sequence[Any]) -> int:
+        """A follower waits for its processes to submit round ``key``: by how much to shift the call
+        numbers of the ``waiting`` rounds of its job (an elastic joiner's become the cluster's)."""
+        return 0
 
-    def overtaken(self, worker: Any, key: str, leader: int) -> None:
+    def overtaken(self, key: str, leader: int, waiting: Sequence[Any], running: str | None) -> list[Overtaken]:
         """The leader started ``key``: every earlier round of its job is over at the leader (it starts
-        a job's rounds in call order). One still held here failed on the other nodes while this
-        node was stopped or cut off (their processes went on): fail it now, so this node's processes
+        a job's rounds in call order). One still ``waiting`` here failed on the other nodes while this
+        node was stopped or cut off (their processes went on): it fails now, so this node's processes
         get the same error and submit the round the leader started, instead of both sides waiting
-        round_timeout for each other with their call numbers apart for good. A lane round running
-        here is not touched (the lane's own close gives it up)."""
+        round_timeout for each other with their call numbers apart for good. The lane round
+        ``running`` here is not touched (the lane's own close gives it up)."""
         parsed = split_key(key)
         if parsed is None:
-            return
+            return []
         job, seq = parsed
-        for k in [k for k in worker.order if worker.ready[k].job == job and worker.ready[k].seq < seq
-                  and k != worker.lane_running]:
-            worker._remember_failed(k, "PeerLostError", f"the leader rank {leader} has gone on to round {key}")
-            worker._finish(worker.ready[k], RoundAborted(
-                f"round {k} will not run: the leader rank {leader} has gone on to round {key} of the job (the "
-                "call failed on the other nodes while this node was stopped or cut off)"))
+        return [Overtaken(r.key, RoundAborted(
+            f"round {r.key} will not run: the leader rank {leader} has gone on to round {key} of the job (the "
+            "call failed on the other nodes while this node was stopped or cut off)"),
+            remember=f"the leader rank {leader} has gone on to round {key}")
+            for r in waiting if r.job == job and r.seq < seq and r.key != running]
 
-    def waiting_for_start(self, worker: Any, leader: int) -> None:
-        """A follower with rounds waiting, and no start this poll."""
+    def waiting_for_start(self, key: str, leader: int) -> None:
+        """A follower with round ``key`` first waiting, and no start this poll."""
 
     def forget_job(self, job: str) -> None:
         """The job's processes here all left and a new one came: its numbering starts again."""

@@ -60,13 +60,13 @@ import zmq
 from birdnet.daemon.elastic import ElasticRing
 from birdnet.daemon.handshake import HELD_MAX_MESSAGES, MAX_REASON_CHARS, DuplicateClaims, HeldMessages, ping_refusal
 from birdnet.daemon.links import frames_nbytes, peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
-from birdnet.daemon.membership import FixedRing, LaneGivenUp, RingNeighbours, RoundAborted
+from birdnet.daemon.membership import FixedRing, LaneGivenUp, RingNeighbours
 from birdnet.daemon.numbering import Numbering, lost_between
 from birdnet.daemon.transport import RoundTransport
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
-from birdnet.errors import ConfigError, PeerLostError, ProtocolError
+from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundAborted
 from birdnet.hosts import Peer
 from birdnet.osutil import release_freed_memory
 

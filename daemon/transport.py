@@ -13,11 +13,11 @@ from typing import Any
 
 import zmq
 from birdnet.daemon.links import as_frame
-from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours, RoundAborted
+from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours
 from birdnet.daemon.rounds import Phase, Round
 
 from birdnet import wire
-from birdnet.errors import PeerLostError, RoundTimeoutError, ShutdownError
+from birdnet.errors import PeerLostError, RoundAborted, RoundTimeoutError, ShutdownError
 from birdnet.messages import Abort
 
 

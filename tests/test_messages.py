@@ -89,3 +89,19 @@ def test_every_key_the_ring_algorithms_send_is_in_the_table():
                                                                                             (1,)).go_fields()},
                Membership(1, (0, 1), 0).fields()]
     assert {k for h in control for k in h} <= set(wire.HEADER_KEYS)
+
+
+def test_an_abort_keeps_the_class_its_origin_failed_the_round_with():
+    from birdnet import errors
+
+    mismatch = errors.RoundAborted.of(Abort("j/3", "rank 2: shapes differ", origin=2, error_class="RoundMismatchError"))
+    assert (mismatch.origin, mismatch.cls) == (2, "RoundMismatchError")
+    assert type(mismatch.as_origin()) is errors.RoundMismatchError
+    assert errors.to_wire(mismatch) == {"error": "RoundMismatchError", "message": "rank 2: shapes differ"}
+    lost = errors.RoundAborted.of(Abort("j/3", "rank 1: lost peer 2", origin=1))
+    assert lost.as_origin() is lost and isinstance(lost, errors.PeerLostError)
+    assert errors.to_wire(lost)["error"] == "PeerLostError"
+    # a later round of a batch fails with the class of the round before it, also for an abort
+    assert type(errors.with_message(lost, "an earlier round failed")) is errors.PeerLostError
+    assert type(errors.with_message(mismatch, "an earlier round failed")) is errors.RoundMismatchError
+    assert type(errors.rebuild("NoSuchError", "x")) is errors.BirdnetError

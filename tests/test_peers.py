@@ -319,7 +319,7 @@ def test_elastic_a_lost_start_makes_the_agreement_start_again(elastic):
     w.order = ["j/6"]
     left.send_multipart(elastic_ping(settings, 2, 7))
     collect(net, 0.3)
-    w.membership.waiting_for_start(w, leader=1)
+    w.membership.waiting_for_start(w.order[0], leader=1)
     got = received(to1, 1, "abort")
     assert got and got[0]["k"] == "j/6" and got[0]["retry"] is True and "from rank 2" in got[0]["reason"], got
     assert net.take_gap_from(2) is None
@@ -367,7 +367,7 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     held("other", 2)
     # a daemon that has not been a member of an epoch yet (restarted) may get a start queued for its
     # previous life: its numbering is not the leader's, it keeps its rounds
-    m.overtaken(w, "j/6", 1)
+    w._overtaken("j/6", 1)
     assert "j/5" in w.ready and not finished
     m.epoch, m.members = 1, [0, 1, 2]
     t = follow("j/6")
@@ -385,15 +385,15 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     assert not t.is_alive()
     # a start of a held round itself (the leader retried it) fails nothing: only earlier rounds go
     held("j", 8)
-    m.overtaken(w, "j/8", 1)
+    w._overtaken("j/8", 1)
     assert "j/8" in w.ready and "j/8" not in finished
     # a joiner whose call numbers are not aligned with the cluster's yet keeps its rounds
     held("k", 3)
     m.join_epoch, m.aligned = 1, set()
-    m.overtaken(w, "k/7", 1)
+    w._overtaken("k/7", 1)
     assert "k/3" in w.ready and "k/3" not in finished
     m.aligned = {"k"}
-    m.overtaken(w, "k/7", 1)
+    w._overtaken("k/7", 1)
     assert isinstance(finished.get("k/3"), RoundAborted)
     assert "other/2" in w.ready and "j/8" in w.ready
 

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_job(codec_label: str, seed: int, taken: AbstractSet[str] = frozenset()) -> str:
     """The job name of one run: a function of the codec and the seed, not of the run's place in
-    the list, because the job name seeds the codecs' random draws (daemon/engine.py ``seed_for``):
+    the list, because the job name seeds the codecs' random draws (daemon/runner.py ``seed_for``):
     a configuration re-run alone then trains exactly as it did beside others. A repeat of the same
     configuration and seed in one invocation gets a suffix (each run needs fresh codec state)."""
     base = f"train-{hashlib.sha256(codec_label.encode()).hexdigest()[:12]}-s{seed}"
