@@ -74,8 +74,8 @@ _SMALL_APART = True
 _SMALL_APART_SGD = frozenset({"bird", "birdplus"})
 #: tensors below this many elements travel dense (the daemons' default ``dense_threshold``)
 _SMALL_TENSOR = 1024
-#: codecs that change gradients too little to need a recipe
-_PLAIN_CODECS = frozenset({"none", "fp16"})
+#: codecs that change gradients too little to need a recipe (every value travels, rounded)
+_PLAIN_CODECS = frozenset({"none", "fp16", "lowbit"})
 #: a carry below this weight (momentum ** steps since the switch) is dropped
 _CARRY_FLOOR = 1e-6
 

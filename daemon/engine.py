@@ -418,7 +418,12 @@ class RoundRunner:
             comp = time.perf_counter() - tc
             values = np.ascontiguousarray(payload.values, dtype=np.float32)
             tag = {**extra, "key": rnd.key, "len": int(values.size), "digest": payload.header.get("digest")}
-            if codec.wire_dtype is None or np.dtype(codec.wire_dtype) == values.dtype:
+            wire = codec.wire_format(ctx, state)
+            if wire is not None:  # encoded at every hop (lowbit): the ring, whatever the size
+                summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,
+                                        max_chunk_bytes=self.settings.max_chunk_bytes, wire=wire, tag=tag,
+                                        inplace=values is not x)
+            elif codec.wire_dtype is None or np.dtype(codec.wire_dtype) == values.dtype:
                 summed = self._dense(transport, values, world, timeout=timeout, tag=tag, inplace=False)
             else:  # a narrower wire dtype: the ring rounds partial sums to it as the codec expects
                 summed = ring_allreduce(transport, values, timeout=timeout, chunk_bytes=self.settings.chunk_bytes,

@@ -94,6 +94,7 @@ CONFIGURATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("qsgd", {}),
     ("efsign", {}), ("efsign", {"momentum": 0.9}),
     ("signcascade", {}), ("signcascade", {"flush": 2}),
+    ("lowbit", {}),
 )
 
 

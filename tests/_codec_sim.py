@@ -1,12 +1,15 @@
 """A simulated round on in-process "nodes" (no network): GATHERED payloads go through
 pack_buffers -> bytes -> payload_from_wire -> decompress_add in rank order; SUMMABLE values are
-summed (rounded to float16 at the wire when the codec says so) and decompressed."""
+summed (rounded to float16 at the wire when the codec says so), or, for a codec with a wire
+format (lowbit), summed by the real ring over an in-memory transport, and decompressed."""
 from __future__ import annotations
 
 import numpy as np
 
 from birdnet.codecs import Pattern, Payload, RoundContext
 from birdnet.codecs.base import pack_buffers
+from birdnet.ring.dense import ring_allreduce
+from birdnet.ring.transport import MemoryRing
 
 
 def contexts(n, world=4, rnd=0, seed=1234, shape=None):
@@ -19,7 +22,15 @@ def sim_round(codec, xs, states, rnd=0, seed=1234):
     cs = contexts(n, len(xs), rnd, seed)
     pays = [codec.compress(x, c, s) for x, c, s in zip(xs, cs, states)]
     outs = []
-    if codec.pattern == Pattern.SUMMABLE:
+    wires = [codec.wire_format(c, s) for c, s in zip(cs, states)] if codec.pattern == Pattern.SUMMABLE else []
+    if wires and wires[0] is not None:
+        sums = MemoryRing(len(xs)).run(lambda t: ring_allreduce(t, pays[t.rank].values, timeout=30.0,
+                                                                 wire=wires[t.rank], chunk_bytes=4096))
+        for c, s, tot in zip(cs, states, sums):
+            out = np.empty(n, np.float32)
+            codec.decompress(Payload(header=dict(pays[0].header), values=tot), out, c, s)
+            outs.append(out)
+    elif codec.pattern == Pattern.SUMMABLE:
         tot = np.zeros_like(pays[0].values)
         for p in pays:
             v = p.values.astype(np.float16).astype(np.float32) if codec.wire_dtype == "float16" else p.values

@@ -20,6 +20,8 @@ ALL = [
     ("birdplus", {}), ("birdplus", {"mode": "shared"}), ("birdplus", {"value_dtype": "float16"}),
     ("birdplus", {"mode": "shared", "value_dtype": "float16", "momentum": 0.9}),
     ("birdplus", {"error_feedback": False, "scale": "exact", "gamma": 1}),
+    ("lowbit", {}), ("lowbit", {"bits": 4}), ("lowbit", {"bits": 2, "block": 8}),
+    ("lowbit", {"bits": 8, "error_feedback": False}), ("lowbit", {"bits": 4, "error_feedback": False, "block": 128}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for n, p in ALL]
 
@@ -71,6 +73,14 @@ def test_simulated_round_error_bound(name, params, n):
         elif name == "topk":
             k = pays[0].header["k"]
             assert np.linalg.norm(out - exact) <= sum(math.sqrt(1 - k / n) * np.linalg.norm(x) for x in xs) + 1e-5
+        elif name == "lowbit":
+            # every hop rounds each element by at most half a step, a step at most
+            # (1 + 2**-7) * (the block's max |partial sum|) / qmax: bounded by the block's max of sum |x_r|
+            qmax = 2 ** (codec.params["bits"] - 1) - 1
+            b = codec.params["block"]
+            big = np.abs(np.array(xs, np.float64)).sum(axis=0)
+            blockmax = np.repeat(np.maximum.reduceat(big, np.arange(0, n, b)), b)[:n]
+            assert np.all(np.abs(out - exact) <= 4 * 0.51 / qmax * blockmax * 1.01 + 1e-30)
         elif name in ("randomk", "bird", "birdplus"):
             assert np.all(np.isfinite(out))  # unbiased, large variance: checked statistically elsewhere
         else:  # pragma: no cover
@@ -131,7 +141,9 @@ def test_bad_parameters():
                          ("birdplus", {"gamma": 0.3}), ("birdplus", {"mode": "x"}), ("birdplus", {"block": 0}),
                          ("birdplus", {"scale": "huge"}), ("birdplus", {"value_dtype": "int8"}),
                          ("birdplus", {"error_feedback": False, "momentum": 0.9}), ("qsgd", {"levels": 0}),
-                         ("dgc", {"error_feedback": False}), ("bird", {"sample": 2})]:
+                         ("dgc", {"error_feedback": False}), ("bird", {"sample": 2}),
+                         ("lowbit", {"bits": 3}), ("lowbit", {"block": 12}), ("lowbit", {"block": 0}),
+                         ("lowbit", {"error_feedback": 1})]:
         with pytest.raises(CodecError):
             get_codec(name, **params)
 

@@ -42,16 +42,17 @@ def test_settings_check_the_warm_up_options():
 
 @pytest.mark.parametrize("codec,params,sizes", [
     ("topk", {}, (5000, 100003)), ("marsit", {"momentum": 0.9}, (5000, 100003)),
+    ("lowbit", {}, (5000, 100003)),
     # a real model's tensors: block ids past 16 bits (uint32), the sampled-bound selection (>= 32K
     # blocks) and, at 6.6M, the parallel gathers of >= 64K kept values. Before warm() covered
     # them, a first birdplus call of 300,001 elements compiled 550 kernels on the ring thread of
     # each of 4 daemons (30 s without heartbeats: PeerLostError)
     ("birdplus", {}, (600001, 6600001)),
 ])
-def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, sizes):
+def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, sizes, warm_as=None):
     """After warm(), rounds of other sizes (both sides of the serial/parallel switch) and with two
     local processes compile no kernel: what warm() ran is what rounds run."""
-    warmup.warm(codec, params)
+    warmup.warm(codec, params if warm_as is None else warm_as)
     counter = warmup._CompileCounter()
     world = 2
     with counter.counting():
@@ -68,6 +69,13 @@ def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, s
 
             warmup._FrameRing(world).run(node, timeout=120)
     assert counter.count == 0, f"rounds compiled {counter.count} kernel(s) warm() had not: {counter.seconds}"
+
+
+def test_lowbit_warmed_at_its_defaults_covers_other_bits_and_no_error_feedback():
+    # the start-up list has lowbit once: its kernels take bits and the residual as arguments
+    test_a_warmed_configuration_compiles_nothing_more_in_rounds(
+        "lowbit", {"bits": 2, "block": 8, "error_feedback": False}, (5000,), warm_as={})
+    test_a_warmed_configuration_compiles_nothing_more_in_rounds("lowbit", {"bits": 4}, (5000,), warm_as={})
 
 
 def test_the_warm_up_command_stamps_what_it_compiled(tmp_path):

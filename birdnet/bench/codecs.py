@@ -23,7 +23,7 @@ from birdnet.bench.specs import parse_spec
 
 DEFAULT_SIZES = (11_689_512, 100_000_000)
 DEFAULT_CODECS = ("none", "fp16", "topk", "randomk", "dgc", "qsgd", "efsign", "bird", "birdplus",
-                  "birdplus:mode=shared", "birdplus:value_dtype=float16", "marsit")
+                  "birdplus:mode=shared", "birdplus:value_dtype=float16", "marsit", "lowbit", "lowbit:bits=4")
 DENSITY_CODECS = {"topk", "randomk", "dgc", "bird", "birdplus"}
 
 
@@ -58,6 +58,9 @@ def bench_codec(spec: str, density: float | None, x: np.ndarray, repeat: int) ->
     # error of one round trip from a fresh state
     payload = codec.compress(x, ctx, state)
     out = np.zeros(n, np.float32)
+    wire_format = codec.wire_format(ctx, state) if codec.pattern == Pattern.SUMMABLE else None
+    if wire_format is not None:  # lowbit: the values a one-node ring's encoding stands for
+        encoded = wire_format.encode(payload.values, 0, payload.values)
     if codec.pattern in (Pattern.SUMMABLE, Pattern.MERGED):  # a one-node round: decompress the own payload
         codec.decompress(payload, out, ctx, state)
         decomp = lambda: codec.decompress(payload, out, ctx, state)  # noqa: E731
@@ -68,7 +71,13 @@ def bench_codec(spec: str, density: float | None, x: np.ndarray, repeat: int) ->
     wire = payload.nbytes
     if codec.pattern == Pattern.SUMMABLE and getattr(codec, "wire_dtype", "float32") == "float16":
         wire = payload.values.nbytes // 2
-    tc = _best(lambda: codec.compress(x, ctx, state), repeat)
+    if wire_format is not None:
+        wire = encoded.nbytes
+    comp = lambda: codec.compress(x, ctx, state)  # noqa: E731
+    if wire_format is not None:  # the work is the encoding (on the ring: every hop's)
+        comp = lambda: wire_format.encode(codec.compress(x, ctx, state).values, 0)  # noqa: E731
+        decomp = lambda: wire_format.decode(encoded, out)  # noqa: E731
+    tc = _best(comp, repeat)
     td = _best(decomp, repeat)
     return {"codec": spec, "density": params.get("density"), "pattern": codec.pattern.value,
             "compress_s": tc, "compress_gbps": 4 * n / tc / 1e9, "decompress_s": td,

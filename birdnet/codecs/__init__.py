@@ -18,6 +18,7 @@ from birdnet.errors import CodecError
 _MODULES: dict[str, str] = {
     "none": "birdnet.codecs.none:NoneCodec",
     "fp16": "birdnet.codecs.fp16:Fp16Codec",
+    "lowbit": "birdnet.codecs.lowbit:LowbitCodec",
     "topk": "birdnet.codecs.topk:TopKCodec",
     "randomk": "birdnet.codecs.randomk:RandomKCodec",
     "dgc": "birdnet.codecs.dgc:DGCCodec",

@@ -7,7 +7,8 @@ works with which compressor):
 
 ``SUMMABLE``
     ``payload.values`` (float32, the same length on every node of the round) can be added hop by
-    hop, so the ordinary reduce-scatter + all-gather runs on it. Examples: ``none``, ``fp16``,
+    hop, so the ordinary reduce-scatter + all-gather runs on it, the values travelling as
+    ``wire_dtype`` or encoded by the codec's :meth:`Codec.wire_format` (``lowbit``). Examples: ``none``, ``fp16``,
     ``randomk`` (shared seed), ``birdplus`` in ``shared`` mode. After the ring, ``decompress`` turns
     the summed payload into the dense sum. Any selection that must agree between nodes puts a
     ``"digest"`` into ``payload.header``; the ring compares digests and fails the round on a
@@ -157,6 +158,12 @@ class Codec:
     def compress(self, x: np.ndarray, ctx: RoundContext, state: Any) -> Payload:
         """Compress ``x`` (1-D, contiguous float32, this node's contribution; never modified)."""
         raise NotImplementedError
+
+    def wire_format(self, ctx: RoundContext, state: Any) -> Any:
+        """SUMMABLE: how the ring encodes ``payload.values`` at every hop instead of casting them to
+        ``wire_dtype`` (a :class:`birdnet.ring.dense.WireFormat`), or None. Called after
+        :meth:`compress`, with the same state (the format may write the round's error feedback)."""
+        return None
 
     def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any) -> None:
         """SUMMABLE / MERGED: write the dense sum represented by ``payload`` into ``out``."""

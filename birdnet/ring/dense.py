@@ -20,7 +20,7 @@ marks the round failed, and the flag reaches every node before the schedule ends
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -67,6 +67,30 @@ def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(stop, a + chunk)) for a in range(start, stop, chunk)]
 
 
+class WireFormat(Protocol):
+    """How a codec's chunks travel instead of a plain ``wire_dtype`` (the ``lowbit`` codec's
+    block-quantised levels): every hop decodes the incoming partial sum, adds its own values in
+    float32 and encodes again, as the float16 wire rounds at every hop; the all-gather forwards the
+    finished chunks' bytes, which every node decodes alike.
+
+    ``align``: segment and chunk boundaries are multiples of it (an encoding's blocks never
+    straddle two messages). ``encode(src, start, deq)`` returns the bytes for ``src`` (float32,
+    elements ``start..`` of the tensor: a codec that keeps its own encoding error, error feedback,
+    stores it there) and, with ``deq``, writes the values they stand for into it.
+    ``decode(buf, out, own)``: ``out`` = the values of ``buf`` (+ ``own``, one float32 addition).
+    """
+
+    align: int
+
+    def nbytes(self, count: int) -> int: ...
+
+    def elements(self, nbytes: int) -> int: ...
+
+    def encode(self, src: np.ndarray, start: int, deq: np.ndarray | None = None) -> np.ndarray: ...
+
+    def decode(self, buf: np.ndarray, out: np.ndarray, own: np.ndarray | None = None) -> None: ...
+
+
 class _Checker:
     """Compares each received header with what this node expects, and remembers the first
     disagreement so the round fails everywhere instead of producing garbage."""
@@ -110,11 +134,13 @@ class _Checker:
 def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk_bytes: int = 1 << 20,
                    max_chunk_bytes: int = 0, wire_dtype: Any = None, inplace: bool = False, tag: dict[str, Any] | None = None,
                    divide_by: int | None = None, count: int | None = None, mean: bool = False,
-                   learned: dict[str, Any] | None = None) -> np.ndarray:
+                   learned: dict[str, Any] | None = None, wire: WireFormat | None = None) -> np.ndarray:
     """Sum ``x`` (1-D) over all ranks of the ring; the same bits on every rank.
 
     ``timeout`` is the longest wait for any one message (a sign of life of the left neighbour).
     ``wire_dtype`` (e.g. float16) is the dtype chunks travel in; sums are kept in ``x.dtype``.
+    ``wire`` (float32 ``x`` only): chunks travel encoded by it instead (:class:`WireFormat`); the
+    result is what the finished chunks' encodings stand for, on every node including their owner.
     Chunks are ``chunk_bytes``, or larger up to ``max_chunk_bytes`` for a large ``x``
     (:func:`chunk_elements`); every node must pass the same two.
     With ``inplace`` the result overwrites ``x``. ``divide_by`` (for a mean) divides each finished
@@ -138,6 +164,12 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
     if x.ndim != 1:
         raise ValueError("ring_allreduce takes a 1-D array")
     out = x if inplace else x.copy()
+    if wire is not None:
+        if out.dtype != np.float32 or wire_dtype is not None or count is not None or divide_by is not None:
+            raise ValueError("ring_allreduce with a wire format takes float32 and none of wire_dtype, count, "
+                             "divide_by")
+        return _encoded_allreduce(transport, out, wire, timeout=timeout, chunk_bytes=chunk_bytes,
+                                  max_chunk_bytes=max_chunk_bytes, tag=tag)
     r, world = transport.rank, transport.world
     if count is not None and world == 1:
         divide_by = count if mean else divide_by
@@ -230,6 +262,61 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
                 transport.send(header("ag", s + 1, ci, total), [incoming])
     if learned is not None and total is not None:
         learned["count"] = total
+    if checker.error:
+        raise RoundMismatchError(checker.error)
+    return out
+
+
+def _encoded_allreduce(transport: Transport, out: np.ndarray, wire: WireFormat, *, timeout: float,
+                       chunk_bytes: int, max_chunk_bytes: int, tag: dict[str, Any] | None) -> np.ndarray:
+    """ring_allreduce's schedule with chunks encoded by ``wire`` (in place in ``out``). Each element
+    is encoded exactly once on every node: in the reduce-scatter step that sends its segment on,
+    or, on the segment's owner, once finished (so a codec's error feedback sees every element)."""
+    r, world = transport.rank, transport.world
+    if world == 1:
+        wire.encode(out, 0, out)
+        return out
+    align = max(1, int(wire.align))
+    bounds = segment_bounds(out.size, world, align)
+    per_chunk = chunk_elements(max(bounds[i + 1] - bounds[i] for i in range(world)), 1,
+                               wire.elements(chunk_bytes), wire.elements(max_chunk_bytes))
+    per_chunk = -(-per_chunk // align) * align
+    chunks = [chunk_bounds(bounds[i], bounds[i + 1], per_chunk) for i in range(world)]
+    checker = _Checker(dict(tag or {}), r, world)
+    scratch = np.empty(per_chunk, np.float32)
+
+    def receive(phase: str, step: int, ci: int, a: int, b: int) -> np.ndarray:
+        header, bufs = transport.recv(time.monotonic() + timeout)
+        checker.check(header, phase, step, ci)
+        want = wire.nbytes(b - a)
+        if len(bufs) != 1 or bufs[0].nbytes != want:
+            if checker.error:
+                raise RoundMismatchError(checker.error)
+            raise ProtocolError(f"ring {phase} step {step} chunk {ci}: expected {want} bytes from rank "
+                                f"{(r - 1) % world}, got {[v.nbytes for v in bufs]}")
+        return np.frombuffer(bufs[0], dtype=np.uint8)
+
+    for ci, (a, b) in enumerate(chunks[r]):
+        transport.send(checker.header("rs", 0, ci), [wire.encode(out[a:b], a)])
+    for s in range(world - 1):
+        seg = (r - s - 1) % world
+        for ci, (a, b) in enumerate(chunks[seg]):
+            incoming = receive("rs", s, ci, a, b)
+            if s < world - 2:
+                acc = scratch[:b - a]
+                wire.decode(incoming, acc, out[a:b])
+                transport.send(checker.header("rs", s + 1, ci), [wire.encode(acc, a)])
+                continue
+            # segment finished here: its owner keeps what the encoding stands for, as every node will
+            wire.decode(incoming, out[a:b], out[a:b])
+            transport.send(checker.header("ag", 0, ci), [wire.encode(out[a:b], a, out[a:b])])
+    for s in range(world - 1):
+        seg = (r - s) % world
+        for ci, (a, b) in enumerate(chunks[seg]):
+            incoming = receive("ag", s, ci, a, b)
+            wire.decode(incoming, out[a:b])
+            if s < world - 2:
+                transport.send(checker.header("ag", s + 1, ci), [incoming])
     if checker.error:
         raise RoundMismatchError(checker.error)
     return out

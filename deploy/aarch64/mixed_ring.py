@@ -75,6 +75,8 @@ def configs() -> list[dict]:
         ("marsit-fixed-flush", "marsit", {"scale": "fixed", "flush": 2}),
         ("signcascade-local", "signcascade", {"compensation": "local"}),
         ("efsign-momentum", "efsign", {"momentum": 0.9}),
+        ("lowbit-4", "lowbit", {"bits": 4}),
+        ("lowbit-2-noef", "lowbit", {"bits": 2, "block": 8, "error_feedback": False}),
     ]
     known = set(names())
     out += [{"label": lab, "codec": c, "params": p} for lab, c, p in variants if c in known]

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cluster import LocalCluster  # noqa: E402
 
 SPECS = [("none", {}), ("fp16", {}), ("marsit", {}), ("topk", {"density": 0.02}), ("birdplus", {}),
-         ("topk", {"density": 0.01})]
+         ("topk", {"density": 0.01}), ("lowbit", {}), ("lowbit", {"bits": 4})]
 
 
 def worker(sock, node, local):

@@ -3,7 +3,8 @@
 The data, model, shards, batch order, initialisation and optimizer are those of
 birdnet/bench/trainlib.py (rank r's parameters are rank 0's, its batches rank r's); each round
 runs the codec on W in-process "nodes" as tests/_codec_sim.py does (SUMMABLE: the float32 values
-are added in rank order, then every node decompresses the sum; GATHERED: every node adds every
+are added in rank order, or for a codec with a wire format (lowbit) summed by the real ring over an
+in-memory transport, then every node decompresses the sum; GATHERED: every node adds every
 payload in rank order) and divides by W, as the daemon's mean does. Tensors under 1,024 elements
 go dense with the optimizer's momentum, as with the daemons' dense_threshold. The ring adds in
 another order, so single runs differ from the daemons' in the last bits, not in what they say.
@@ -49,7 +50,17 @@ def codec_round(codec, xs, states, n: int, t: int, ti: int, seed: int, name: str
     cs = [RoundContext(job="j", name=name, shape=(n,), round_id=t, rank=r, world=W, seed=sd,
                        tensor_round=t) for r in range(W)]
     pays = [codec.compress(x, c, st) for x, c, st in zip(xs, cs, states)]
-    if codec.pattern == Pattern.SUMMABLE:
+    wires = [codec.wire_format(c, st) for c, st in zip(cs, states)] if codec.pattern == Pattern.SUMMABLE else []
+    if wires and wires[0] is not None:  # encoded at every hop (lowbit): the real ring, in memory
+        from birdnet.ring.dense import ring_allreduce
+        from birdnet.ring.transport import MemoryRing
+        sums = MemoryRing(W).run(lambda tr: ring_allreduce(tr, pays[tr.rank].values, timeout=60.0,
+                                                            wire=wires[tr.rank]))
+        out = np.empty(n, np.float32)
+        for r in range(W):
+            o = out if r == 0 else np.empty(n, np.float32)
+            codec.decompress(Payload(header=dict(pays[0].header), values=sums[r]), o, cs[r], states[r])
+    elif codec.pattern == Pattern.SUMMABLE:
         tot = np.zeros_like(pays[0].values)
         for p in pays:
             v = p.values.astype(np.float16).astype(np.float32) if codec.wire_dtype == "float16" else p.values
