@@ -3,6 +3,7 @@
     python -m birdnet.bench.tools.diloco_loop_sim                                     # DiLoCo's defaults
     python -m birdnet.bench.tools.diloco_loop_sim --opts '{"overlap": false}' --steps 400
     python -m birdnet.bench.tools.diloco_loop_sim --codec q8 --block 64 --ef          # a low-bit codec, emulated
+    python -m birdnet.bench.tools.diloco_loop_sim --overlap-from-step 64 --codec fp16  # the H=16 syncs overlapped
     python -m birdnet.bench.tools.diloco_loop_sim --ddp --steps 600                   # gradients averaged every step
 
 The task, the batches, the evaluation and the target are ``birdnet bench tta --task lm``'s (seed 0,
@@ -136,13 +137,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--opts", default="{}", help="bnt.DiLoCo keywords as JSON (sync_every as a list)")
     ap.add_argument("--set", default="{}", help="birdnet.client.diloco module constants to set first, as JSON")
-    ap.add_argument("--codec", default="fp16", choices=["none", "fp16", "q8", "q4"])
+    ap.add_argument("--codec", default="q8", choices=["none", "fp16", "q8", "q4"],
+                    help="the emulated codec; q8 without --ef stands for the default, lowbit bits 8")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--ef", action="store_true", help="error feedback on the workers' quantisation (q8/q4)")
     ap.add_argument("--steps", type=int, default=320)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--target", type=float, default=TARGET)
+    ap.add_argument("--overlap-from-step", type=int, default=0, help="from this step on, overlap=True (the syncs "
+                    "applied half an interval late, mixed): e.g. 64, the default schedule's first H=16 sync on")
     ap.add_argument("--ddp", action="store_true", help="no DiLoCo: the gradients of the 4 shards averaged every step "
                     "(what DDP computes), for the loss at equal steps")
     a = ap.parse_args()
@@ -181,6 +185,8 @@ def main() -> None:
     def run(r: int) -> None:
         try:
             for step in range(a.steps):
+                if a.overlap_from_step and step == a.overlap_from_step:
+                    opts_[r].outer_loop.delay = -1  # what overlap=True sets: half the interval in force
                 x, y = task.batch(r, W, step)
                 opts_[r].zero_grad()
                 task.loss(models[r], x, y).backward()
