@@ -75,11 +75,11 @@ WARMUP_OUTER_LR = 1.0
 #: the default schedule: (H, steps) pairs, then the H kept (docs/slowlink.md, Defaults)
 DEFAULT_SCHEDULE: tuple[Any, ...] = ((1, 8), (2, 8), (4, 16), (8, 32), 16)
 #: the pseudo-gradient's default codec and parameters (docs/slowlink.md, Codecs)
-DEFAULT_CODEC = "fp16"
-DEFAULT_CODEC_PARAMS: dict[str, Any] = {}
+DEFAULT_CODEC = "lowbit"
+DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 8, "error_feedback": False}
 #: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
-DEFAULT_WARMUP_CODEC = "fp16"
-DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {}
+DEFAULT_WARMUP_CODEC = "lowbit"
+DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 8, "error_feedback": False}
 #: Streaming DiLoCo's mixing factor for a fragment applied late (overlap): local = a*local + (1-a)*outer
 MIX_ALPHA = 0.5
 #: key of the outer state inside a framework optimizer's state_dict
