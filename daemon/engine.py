@@ -51,6 +51,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+from birdnet.daemon import settle
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, RoundAborted, RoundRetry, check_descs
 from birdnet.daemon.rounds import Phase, Round
 from birdnet.daemon.transport import RoundTransport
@@ -522,6 +523,8 @@ class RingWorker(threading.Thread):
         self.lanes_given_up = 0  #: lane rounds given up here because the leader closed the lane
         self.lane_running: str | None = None  #: the lane round in its data phase here
         self.lane_closed_at: Any = None  #: the round key of the leader's last ``lane`` close seen here
+        #: a round that settled its commit among the surviving nodes (settlement hook, _open_lane)
+        self.settled_at: str | None = None
         if net is not None and self.lane_allowed:
             net.on_lane = self._on_lane_message
         #: rounds end with a commit (RoundTransport.await_commit): every node holds the result before
@@ -727,6 +730,13 @@ class RingWorker(threading.Thread):
         self.net.set_lane_keys((round_key(job, seq), round_key(job, seq + 1)))
 
     def _open_lane(self, job: str, seq: int) -> None:
+        if self.settled_at is not None:
+            # settlement hook: after a round settled among the surviving nodes the lane stays
+            # closed, here and (asked) at the leader, which may have opened it before the fault
+            self.settled_at = None
+            self._close_lane()
+            self._request_close(round_key(job, seq), "a round before it was settled among the surviving nodes")
+            return
         self.lane = (job, seq)
         self.lane_since = self.net.neighbour_restarts
         self._expect_lane(job, seq)
@@ -1335,12 +1345,18 @@ class RingWorker(threading.Thread):
             if self.commits and isinstance(transport, RoundTransport):
                 # a stopped node may hold up the count for long: as long as a round may wait
                 transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
+                if transport.settled:
+                    # settlement hook (daemon/settle.py): a node was lost or restarted in the commit,
+                    # so the lane this round would open cannot run on every node (_open_lane)
+                    self.settled_at = rnd.key
             self.runner.commit(rnd)
         except LaneGivenUp:
             raise
         except BirdnetError as exc:
             if rd is not None:
                 rd.phase = Phase.FAILED
+            if self.commits:  # settlement hook (daemon/settle.py): askers learn this node failed it
+                settle.book_of(self.net).aborted(rnd.key)
             self._report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
@@ -1348,6 +1364,8 @@ class RingWorker(threading.Thread):
             return exc
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
+            if self.commits:  # settlement hook (daemon/settle.py), as above
+                settle.book_of(self.net).aborted(rnd.key)
             self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
             if rd is not None:
                 rd.phase = Phase.FAILED
