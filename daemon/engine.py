@@ -1345,8 +1345,8 @@ class RingWorker(threading.Thread):
             if self.commits and isinstance(transport, RoundTransport):
                 # a stopped node may hold up the count for long: as long as a round may wait
                 transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
-                if transport.settled:
-                    # settlement hook (daemon/settle.py): a node was lost or restarted in the commit,
+                if transport.settled_after_restart:
+                    # settlement hook (daemon/settle.py): the left neighbour restarted in the commit,
                     # so the lane this round would open cannot run on every node (_open_lane)
                     self.settled_at = rnd.key
             self.runner.commit(rnd)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from birdnet.daemon import settle
 from birdnet.daemon.links import as_frame
 from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours, RoundAborted
-from birdnet.daemon import settle
 from birdnet.daemon.rounds import Phase, Round
 
 from birdnet import wire
@@ -54,8 +54,9 @@ class RoundTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.trackers: list[Any] = []
-        #: why the round's commit was settled among the surviving nodes (daemon/settle.py), if it was
-        self.settled: str | None = None
+        #: set when the round's commit was settled (daemon/settle.py) because the left neighbour
+        #: restarted: its new instance knows nothing of a lane granted before (RingWorker._open_lane)
+        self.settled_after_restart: str | None = None
         #: the net's gaps not yet taken (Numbering.gaps, the same dict)
         self._gaps = net.gaps
         #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
@@ -275,16 +276,17 @@ class RoundTransport:
                 if have >= need and now < deadline and not book.frozen(key):
                     book.released(key)
                     return
-                if net.stopping:
-                    raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
                 # A peer merely silent (lost) is waited for: this node holds the result, and so may
                 # every other, one of which may have released it already; a stopped node that
                 # continues completes the count. A restarted neighbour cannot (its new instance
                 # knows nothing of the round), lost messages may have been counts, and at the
                 # deadline the wait ends: then the surviving nodes settle the round together.
-                cause = None
+                cause, error = None, PeerLostError
                 restarted = net.restarted_since(self.restarts_at)
-                if restarted:
+                if net.stopping:
+                    # settled, not aborted: another node may have released the round already
+                    cause, error = f"birdnetd on rank {net.rank} is shutting down", ShutdownError
+                elif restarted:
                     cause = f"{restarted} during its commit"
                 elif self._gaps and (gap := nb.take_gap(net, key)):
                     cause = gap
@@ -295,7 +297,7 @@ class RoundTransport:
                 elif book.frozen(key):
                     cause = "another node asked to settle it"
                 if cause is not None:
-                    self._settle(cause, take)
+                    self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError)
                     return
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
                 if msg is not None:
@@ -305,14 +307,15 @@ class RoundTransport:
             if later:
                 net.held.ready.extendleft(reversed(later))
 
-    def _settle(self, cause: str, take: Any) -> None:
+    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False) -> None:
         """Settle the round with the other nodes (daemon/settle.py): return to release it, raise
-        PeerLostError to fail it. A commit passes world - 1 on, so the nodes after this one that
+        ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
         wait for the count release too (or, asked already, settle and find this node's release)."""
         net, key = self.net, self.key
         book = settle.book_of(net)
         commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
-        self.settled = f"{cause}: {why}"
+        if restarted:
+            self.settled_after_restart = f"{cause}: {why}"
         if commit:
             book.released(key)
             try:
@@ -321,8 +324,7 @@ class RoundTransport:
                 pass  # the right neighbour is gone: it settles or restarts
             return
         book.aborted(key)
-        raise PeerLostError(f"round {key} cannot complete: {cause}; the surviving nodes settled it as "
-                            f"failed ({why})")
+        raise error(f"round {key} cannot complete: {cause}; the surviving nodes settled it as failed ({why})")
 
 
 #: commit counts kept per net for rounds not finished here yet (a few: the rounds in flight)
