@@ -24,6 +24,7 @@ duration); at the end the logs are compared:
 - **hang**: a call that took longer than its timeout plus a margin;
 - **recovery**: seconds from the end of a fault (SIGCONT, the daemon restarted, the job
   restarted) until every process had a successful call again;
+- **settlements**: how often a daemon settled a round's commit with the others (their logs), by outcome;
 - **fail-fast**: after a process is killed, how long the others' failing calls took (they must fail
   within a second, the one in flight when it died aside);
 - daemons' descriptors and RSS before and after.
@@ -296,11 +297,14 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
         finally:
             job.kill()
         after = [_proc_figures(p.pid) if p is not None and p.poll() is None else None for p in cl.procs]
+        # how often a daemon settled a round's commit with the others (daemon/settle.py), by outcome
+        logs = "".join(cl.log(i) for i in range(nodes))
+        settlements = {o: logs.count(f"settled among the surviving nodes: {o}") for o in ("commit", "abort")}
     result = check(jobs, codec, call_timeout)
     rec_times = [e["recovery_seconds"] for e in events]
     result.update(
         codec=codec, nodes=nodes, floats=floats, seed=seed, events=events, faults=len(events),
-        network="namespaces" if use_netns else "loopback", skipped=skipped,
+        network="namespaces" if use_netns else "loopback", skipped=skipped, settlements=settlements,
         not_recovered=sum(1 for r in rec_times if r is None),
         recovery_max=max((r for r in rec_times if r is not None), default=None),
         fail_fast_max=max((e["fail_fast"]["slowest"] for e in events if e.get("fail_fast")), default=None),
