@@ -223,3 +223,31 @@ def test_bad_settle_questions_do_not_hurt_the_daemon(tmp_path, drivers):  # noqa
         for p in cl.procs:
             assert p.poll() is None
         assert [r.get("ok") for r in together(d, "round 1000")] == [3.0] * 2
+
+
+def test_a_settler_drops_bad_answers_and_takes_the_good_one():
+    """Garbage, wrong protocol, another round's or another rank's answer, a malformed report: dropped
+    (logged), never raised; the well-formed answer after them is read."""
+    from birdnet.daemon.settle import _read_answer
+    ctx = zmq.Context.instance()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (server, client):
+            s.setsockopt(zmq.LINGER, 0)
+        server.bind("inproc://settle-answers")
+        client.connect("inproc://settle-answers")
+        client.send(b"hello")
+        ident, _ = server.recv_multipart()
+        good = {"t": "settled", "k": "j/4", "rank": 2, "st": HOLDS, "kn": [2, 1]}
+        for frames in ([b"\x00garbage"], [b"birdnet/0", b"\x80"], wire.encode({**good, "k": "j/5"}),
+                       wire.encode({**good, "rank": 1}), wire.encode({**good, "kn": [7]}),
+                       wire.encode({**good, "t": "pong"}), wire.encode({**good, "st": "maybe"})):
+            server.send_multipart([ident, *frames])
+        time.sleep(0.1)
+        assert _read_answer(client, 3, "j/4", 2) is None
+        server.send_multipart([ident, *wire.encode(good)])
+        time.sleep(0.1)
+        assert _read_answer(client, 3, "j/4", 2) == Report(HOLDS, frozenset({1, 2}))
+    finally:
+        server.close(0)
+        client.close(0)
