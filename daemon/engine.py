@@ -1339,6 +1339,8 @@ class RingWorker(threading.Thread):
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
         rd: Round | None = getattr(transport, "round", None)
+        if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
+            settle.book_of(self.net).started(rnd.key)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)

@@ -145,6 +145,13 @@ class SettleBook:
             self._ran.popitem(last=False)
         return e
 
+    def started(self, key: str) -> None:
+        """Round ``key`` begins its data phase here: a decision kept under the same key is an earlier
+        run's (a job whose processes were restarted numbers its calls from 0 again), forgotten."""
+        e = self._ran.get(key)
+        if e is not None and e.state in (RELEASED, ABORTED):
+            del self._ran[key]
+
     def holding(self, key: str) -> None:
         """This node holds round ``key``'s whole result and waits for the commit count."""
         e = self._get(key)

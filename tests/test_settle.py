@@ -113,6 +113,12 @@ def test_the_book_freezes_the_first_answer_and_keeps_decisions():
     assert b.frozen("j/2") and b.report("j/2") == Report(PENDING)
     b.aborted("j/3")
     assert b.report("j/3") == Report(ABORTED)
+    # a new run of the job (its processes restarted) numbers its calls from 0 again: the same key
+    # starting again here forgets the earlier run's decision
+    b.started("j/1")
+    assert b.report("j/1").state == PENDING
+    b.started("j/2")  # a question of this run before the round started here stays frozen
+    assert b.frozen("j/2")
 
 
 def test_the_book_is_bounded_and_questions_cannot_push_out_the_rounds_it_ran():
