@@ -173,11 +173,12 @@ def test_a_daemon_dying_inside_the_commit_splits_no_call(tmp_path, drivers, monk
         if not restart:
             cl.start_node(1)
             wait_ring_ok(cl, timeout=30)  # it was counted lost: every node sees it back first
-        # the lane granted before the fault is closed: at most the next call fails, on every node alike
+        # the lane granted before the fault is closed: at most the next call fails, on every node
+        # alike (not always with the same class: a node can wait round_timeout in that race)
         after = []
         for _ in range(3):
             res = together(d, "round 1000")
-            assert len({r.get("error") or "ok" for r in res}) == 1, res
+            assert len({"ok" if r.get("ok") == 6.0 else "failed" for r in res}) == 1, res
             after.append(res)
         assert [r[0].get("ok") for r in after[1:]] == [6.0, 6.0], after
 
