@@ -56,12 +56,12 @@ HEADER_KEYS: dict[str, tuple[str, str, str]] = {
     "sizes": ("all", "", "byte length of each buffer frame"),
     "q": ("all peer messages", "count", "number on this connection, one more than the last (a jump: messages lost)"),
     "qr": ("all peer messages", "", "1: numbering restarts at this q (the sender dropped what it had queued for a peer that answered nothing)"),
-    "k": ("start go abort lane data commit", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
+    "k": ("start go abort lane data commit settle settled", "key", 'round key "job/seq" (birdnet.wire.round_key)'),
     "proto": ("ping", "", "PROTOCOL_VERSION of the sender"),
     "cw": ("ping", "", "the sender's cluster-wide settings (Settings.cluster_wide)"),
     "world": ("ping", "int", "nodes in the sender's hosts file"),
-    "rank": ("ping pong", "int", "the sender's rank in the hosts file"),
-    "inc": ("ping pong", "token", "the sender's incarnation (a new one after every restart)"),
+    "rank": ("ping pong settle settled", "int", "the sender's rank in the hosts file"),
+    "inc": ("ping pong settle", "token", "the sender's incarnation (a new one after every restart)"),
     "lost": ("ping", "", "ranks the sender believes lost"),
     "ep": ("ping pong start go", "count", "elastic: membership epoch"),
     "want": ("ping pong", "", "elastic: the sender has rounds waiting (wants to be in the ring)"),
@@ -94,6 +94,8 @@ HEADER_KEYS: dict[str, tuple[str, str, str]] = {
     "w": ("data", "", "merged ring: the weight (nodes merged so far) the bits stand for"),
     "scale": ("data", "", "merged ring: the scale of rank src"),
     "meta": ("data", "", "merged ring: the codec's per-segment metadata"),
+    "st": ("settled", "", "what the sender knows of round k: released, aborted, holds (the result), pending"),
+    "kn": ("settled", "", "the ranks the sender knows held round k's result (itself, its commit count's)"),
 }
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BUFFERS = 64
@@ -176,7 +178,7 @@ MAX_TEXT_CHARS = 4096
 #: header keys of peer messages with a meaning of their own -> what they must be (check_peer)
 PEER_FIELDS: dict[str, str] = {k: check for k, (_m, check, _w) in HEADER_KEYS.items() if check}
 #: message types whose round key is required
-KEYED = frozenset(("start", "go", "abort", "data", "lane", "commit"))
+KEYED = frozenset(("start", "go", "abort", "data", "lane", "commit", "settle", "settled"))
 _UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from birdnet.daemon import settle
 from birdnet.daemon.agreement import description, verdicts_of_start
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
@@ -117,6 +118,8 @@ class RingWorker(threading.Thread):
         #: rounds end with a commit (RoundTransport.await_commit): every node holds the result before
         #: any releases it. The fixed ring only (elastic mode re-forms its ring instead)
         self.commits = "commit" in getattr(membership, "message_types", ()) and hasattr(net, "commits")
+        #: a round that settled its commit among the surviving nodes (settlement hook, _open_lane)
+        self.settled_at: str | None = None
         #: the main loop's handlers of control messages between rounds (a ``lane`` message is
         #: handled as PeerNet.poll receives it, DenseLane.on_message; data between rounds is stale)
         self._handlers: dict[str, Callable[[dict[str, Any]], bool]] = {
@@ -360,7 +363,7 @@ class RingWorker(threading.Thread):
         if self.lane.closed_at == round_key(job, seq + 1):
             self.lane.close()  # the leader closed the lane at the next round while this one ran
         else:
-            self.lane.open(job, seq + 1)
+            self._open_lane(job, seq + 1)
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -735,9 +738,19 @@ class RingWorker(threading.Thread):
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
         self.lane.closed_at = None
         if lane is not None and batch_ok:
-            self.lane.open(lane[0], lane[1])
+            self._open_lane(lane[0], lane[1])
         else:
             self.lane.close()
+
+    def _open_lane(self, job: str, seq: int) -> None:
+        if self.settled_at is not None:
+            # settlement hook: after a round settled among the surviving nodes the lane stays
+            # closed, here and (asked) at the leader, which may have opened it before the fault
+            self.settled_at = None
+            self.lane.close()
+            self.lane.request_close(round_key(job, seq), "a round before it was settled among the surviving nodes")
+            return
+        self.lane.open(job, seq)
 
     def _pass_go(self, rd: Round) -> None:
         """Forward the leader's verdict on round ``rd``, which this node has no local part in."""
@@ -757,17 +770,25 @@ class RingWorker(threading.Thread):
         if hasattr(transport, "on_other_abort"):
             transport.on_other_abort = self._on_abort_elsewhere
         rd: Round | None = getattr(transport, "round", None)
+        if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
+            settle.book_of(self.net).started(rnd.key)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
             if self.commits and isinstance(transport, RoundTransport):
                 # a stopped node may hold up the count for long: as long as a round may wait
                 transport.await_commit(max(self.settings.peer_timeout, self.settings.round_timeout))
+                if transport.settled_after_restart:
+                    # settlement hook (daemon/settle.py): the left neighbour restarted in the commit,
+                    # so the lane this round would open cannot run on every node (_open_lane)
+                    self.settled_at = rnd.key
         except LaneGivenUp:
             raise
         except BirdnetError as exc:
             if rd is not None:
                 rd.phase = Phase.FAILED
+            if self.commits:  # settlement hook (daemon/settle.py): askers learn this node failed it
+                settle.book_of(self.net).aborted(rnd.key)
             self._report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
@@ -775,6 +796,8 @@ class RingWorker(threading.Thread):
             return exc
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
+            if self.commits:  # settlement hook (daemon/settle.py), as above
+                settle.book_of(self.net).aborted(rnd.key)
             self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
             if rd is not None:
                 rd.phase = Phase.FAILED

@@ -39,6 +39,9 @@ type        direction       meaning
 ``commit``  left -> right   after a round's data phase: ``c``, how many consecutive nodes ending
                             with the sender hold round ``k``'s result; a node releases the result
                             once its left says world - 1 (RoundTransport.await_commit).
+``settle``  any -> any      a node whose commit cannot finish asks every other node what it knows
+                            of round ``k`` (on a connection of its own; daemon/settle.py).
+``settled`` reply           the answer: ``st`` (released / aborted / holds / pending), ``kn``.
 ==========  ==============  =======================================================================
 
 Liveness: the left neighbour is alive while anything from it arrived within ``peer_timeout``; the
@@ -57,6 +60,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from birdnet.daemon import settle
 from birdnet.daemon.elastic import ElasticRing
 from birdnet.daemon.handshake import HELD_MAX_MESSAGES, MAX_REASON_CHARS, DuplicateClaims, HeldMessages, ping_refusal
 from birdnet.daemon.links import frames_nbytes, peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
@@ -617,6 +621,11 @@ class PeerNet:
         t = header["t"]
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
+            return None
+        if t == "settle":
+            # settlement hook (daemon/settle.py): any node of the ring may ask, on a connection of its
+            # own that never pings, so the question is answered here, before acceptance
+            settle.answer(self, identity, header, self._peer_of_connection(frames[1]) if self.curve is not None else None)
             return None
         if t not in self.message_types:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import zmq
+from birdnet.daemon import settle
 from birdnet.daemon.links import as_frame
 from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours
 from birdnet.daemon.rounds import Phase, Round
@@ -53,6 +54,9 @@ class RoundTransport:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.trackers: list[Any] = []
+        #: set when the round's commit was settled (daemon/settle.py) because the left neighbour
+        #: restarted: its new instance knows nothing of a lane granted before (RingWorker._open_lane)
+        self.settled_after_restart: str | None = None
         #: the net's gaps not yet taken (Numbering.gaps, the same dict)
         self._gaps = net.gaps
         #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
@@ -225,58 +229,102 @@ class RoundTransport:
         if need < 1:
             return
         net, nb, key = self.net, self.neighbours, self.key
+        book = settle.book_of(net)  # settlement (daemon/settle.py): what this node tells askers
+        book.holding(key)
         deadline = time.monotonic() + timeout
         sent = 0
         later: list[dict] = []
+
+        def take(msg: dict) -> None:
+            """A message that came during the commit: a count is kept, an abort of this round fails
+            it (its origin never held the result, or settled the round as failed), the rest waits."""
+            if not nb.accepts(msg):
+                return
+            h = msg["h"]
+            t = h.get("t")
+            if t == "commit":
+                if nb.from_left(msg):
+                    note_commit(net, h)
+            elif t == "abort":
+                a = Abort.from_header(h)
+                if a is not None and a.key in (key, None):
+                    book.aborted(key)
+                    raise RoundAborted.of(a)
+                later.append(msg)
+            elif t != "lane":  # a lane message was handled as the poll received it
+                later.append(msg)
+
         try:
             while True:
                 have = commit_count(net, key)
                 c = min(need, 1 + have)
                 if c > sent:
+                    if c == need and settle.exit_in_commit(net.rank, key):  # a test's fault point
+                        if sent == 0 and need > 1:
+                            c = need - 1  # pass a smaller count on first: the ring is mid-commit
+                        else:
+                            settle.exit_now()
                     h = {"t": "commit", "k": key, "c": c}
                     nb.send(net, h)
                     sent = c
                     recent = getattr(net, "recent_commits", None)
                     if recent is not None:
                         recent.append((nb.right_rank, h))
-                if have >= need:
+                now = time.monotonic()
+                # Past the deadline the count is not trusted alone (this node may have been stopped
+                # while the others settled without it), nor once a node asked this one to settle.
+                if have >= need and now < deadline and not book.frozen(key):
+                    book.released(key)
                     return
-                if net.stopping:
-                    raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
                 # A peer merely silent (lost) is waited for: this node holds the result, and so may
                 # every other, one of which may have released it already; a stopped node that
                 # continues completes the count. A restarted neighbour cannot (its new instance
-                # knows nothing of the round): that fails the round here.
+                # knows nothing of the round), lost messages may have been counts, and at the
+                # deadline the wait ends: then the surviving nodes settle the round together.
+                cause, error = None, PeerLostError
                 restarted = net.restarted_since(self.restarts_at)
-                if restarted:
-                    raise PeerLostError(f"round {key} cannot complete: {restarted} during its commit "
-                                        "(before every node confirmed holding the result)")
-                self._check_gap()
-                now = time.monotonic()
-                if now >= deadline:
+                if net.stopping:
+                    # settled, not aborted: another node may have released the round already
+                    cause, error = f"birdnetd on rank {net.rank} is shutting down", ShutdownError
+                elif restarted:
+                    cause = f"{restarted} during its commit"
+                elif self._gaps and (gap := nb.take_gap(net, key)):
+                    cause = gap
+                elif now >= deadline:
                     why = nb.why_gone(net, key, self.restarts_at)
-                    raise PeerLostError(f"round {key}: the nodes did not all confirm holding the result within "
-                                        f"{timeout} s (the commit stopped at {nb.describe_left()})"
-                                        + (f"; {why}" if why else ""))
+                    cause = (f"the nodes did not all confirm holding the result within {timeout} s (the commit "
+                             f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
+                elif book.frozen(key):
+                    cause = "another node asked to settle it"
+                if cause is not None:
+                    self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError)
+                    return
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
-                if msg is None or not nb.accepts(msg):
-                    continue
-                h = msg["h"]
-                t = h.get("t")
-                if t == "commit":
-                    if nb.from_left(msg):
-                        note_commit(net, h)
-                elif t == "abort":
-                    a = Abort.from_header(h)
-                    if a is not None and a.key in (key, None):
-                        raise RoundAborted.of(a)
-                    later.append(msg)
-                elif t != "lane":  # a lane message was handled as the poll received it
-                    later.append(msg)
+                if msg is not None:
+                    take(msg)
         finally:
             pop_commit(net, key)
             if later:
                 net.held.ready.extendleft(reversed(later))
+
+    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False) -> None:
+        """Settle the round with the other nodes (daemon/settle.py): return to release it, raise
+        ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
+        wait for the count release too (or, asked already, settle and find this node's release)."""
+        net, key = self.net, self.key
+        book = settle.book_of(net)
+        commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
+        if restarted:
+            self.settled_after_restart = f"{cause}: {why}"
+        if commit:
+            book.released(key)
+            try:
+                self.neighbours.send(net, {"t": "commit", "k": key, "c": self.world - 1})
+            except PeerLostError:
+                pass  # the right neighbour is gone: it settles or restarts
+            return
+        book.aborted(key)
+        raise error(f"round {key} cannot complete: {cause}; the surviving nodes settled it as failed ({why})")
 
 
 #: commit counts kept per net for rounds not finished here yet (a few: the rounds in flight)

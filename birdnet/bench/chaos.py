@@ -7,7 +7,12 @@ the ring, broadcast the parameters from rank 0) and goes on. Faults, at random m
 
 - ``kill-daemon``: SIGKILL of a daemon, restarted after a random pause;
 - ``stop-daemon``: SIGSTOP of a daemon for ``--stop-seconds``, then SIGCONT;
-- ``kill-process``: SIGKILL of a training process; the job's processes are then restarted.
+- ``kill-process``: SIGKILL of a training process; the job's processes are then restarted;
+- ``cut-link``: a node's link taken down (``ip link set eth0 down``) for a random time up to
+  ``--link-seconds``, then up again. It needs network namespaces (root and iproute2): when any
+  fault is ``cut-link`` and namespaces can be made, the whole run's daemons live in namespaces
+  (birdnet.bench.netns, one per node, joined by a bridge); otherwise the run stays on loopback and
+  the link faults are skipped (the result's ``skipped`` says why).
 
 Every call's outcome is logged by every process (call number, result digest, parameters digest,
 duration); at the end the logs are compared:
@@ -19,6 +24,7 @@ duration); at the end the logs are compared:
 - **hang**: a call that took longer than its timeout plus a margin;
 - **recovery**: seconds from the end of a fault (SIGCONT, the daemon restarted, the job
   restarted) until every process had a successful call again;
+- **settlements**: how often a daemon settled a round's commit with the others (their logs), by outcome;
 - **fail-fast**: after a process is killed, how long the others' failing calls took (they must fail
   within a second, the one in flight when it died aside);
 - daemons' descriptors and RSS before and after.
@@ -45,7 +51,9 @@ from typing import Any
 HANG_MARGIN = 5.0
 #: a failing call of a job whose process was killed must end within this (s)
 FAIL_FAST = 1.0
-FAULTS = ("kill-daemon", "stop-daemon", "kill-process")
+FAULTS = ("kill-daemon", "stop-daemon", "kill-process", "cut-link")
+#: fault kinds that need network namespaces (skipped on loopback)
+NETNS_FAULTS = ("cut-link",)
 
 
 # -- the training process ----------------------------------------------------------------------------
@@ -206,20 +214,39 @@ def check(jobs: list[_Job], codec: str, call_timeout: float) -> dict[str, Any]:
 def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faults: list[str] | None = None,
               rounds_between: tuple[float, float] = (1.0, 3.0), stop_seconds: float = 15.0, seed: int = 0,
               peer_timeout: float = 4.0, heartbeat_interval: float = 0.25, call_timeout: float = 30.0,
-              pause: float = 0.005, recover_timeout: float = 60.0, tmp: Path | None = None,
-              echo=None) -> dict[str, Any]:
+              pause: float = 0.005, recover_timeout: float = 60.0, link_seconds: float = 10.0,
+              tmp: Path | None = None, echo=None) -> dict[str, Any]:
     """Run the chaos loop (see the module docstring) and return its figures."""
+    from contextlib import ExitStack
+
+    from birdnet.bench import netns
     from birdnet.bench.cluster import LocalCluster
     rng = random.Random(seed)
     faults = list(faults if faults is not None else FAULTS)
+    skipped: dict[str, str] = {}
+    use_netns = any(k in NETNS_FAULTS for k in faults)
+    if use_netns:
+        ok, why = netns.available()
+        if not ok:
+            use_netns = False
+            for k in {k for k in faults if k in NETNS_FAULTS}:
+                skipped[k] = f"{sum(f == k for f in faults)} fault(s) skipped on loopback: {why}"
+            faults = [k for k in faults if k not in NETNS_FAULTS]
     own_tmp = tmp is None
     tdir = Path(tempfile.mkdtemp(prefix="birdnet-chaos-")) if tmp is None else Path(tmp)
     say = echo or (lambda *_a: None)
     events: list[dict[str, Any]] = []
     jobs: list[_Job] = []
     job_name = "chaos"
-    with LocalCluster(nodes, tdir, peer_timeout=peer_timeout, heartbeat_interval=heartbeat_interval,
-                      extra=["--round-timeout", str(call_timeout)]) as cl:
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        nc = None
+        if use_netns:
+            nc = stack.enter_context(netns.NetnsCluster(nodes))
+            where = {"addresses": nc.addresses, "prefixes": [nc.exec_prefix(i) for i in range(nodes)]}
+        cl = stack.enter_context(LocalCluster(nodes, tdir, peer_timeout=peer_timeout,
+                                              heartbeat_interval=heartbeat_interval,
+                                              extra=["--round-timeout", str(call_timeout)], **where))
         job = _Job(cl, tdir, 0, job_name, floats, codec, call_timeout, pause)
         jobs.append(job)
         if _wait_recovered(job, 0.0, 120) is None:
@@ -241,6 +268,15 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
                     time.sleep(stop_seconds)
                     cl.send_signal(victim, signal.SIGCONT)
                     ev["end"] = time.time()
+                elif kind == "cut-link":
+                    assert nc is not None
+                    ev["down_seconds"] = down = rng.uniform(1.0, link_seconds)
+                    nc.link(victim, False)
+                    try:
+                        time.sleep(down)
+                    finally:
+                        nc.link(victim, True)
+                    ev["end"] = time.time()
                 elif kind == "kill-process":
                     job.kill(victim)
                     time.sleep(2.0)  # the others keep calling: each call must fail at once
@@ -261,10 +297,14 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
         finally:
             job.kill()
         after = [_proc_figures(p.pid) if p is not None and p.poll() is None else None for p in cl.procs]
+        # how often a daemon settled a round's commit with the others (daemon/settle.py), by outcome
+        logs = "".join(cl.log(i) for i in range(nodes))
+        settlements = {o: logs.count(f"settled among the surviving nodes: {o}") for o in ("commit", "abort")}
     result = check(jobs, codec, call_timeout)
     rec_times = [e["recovery_seconds"] for e in events]
     result.update(
         codec=codec, nodes=nodes, floats=floats, seed=seed, events=events, faults=len(events),
+        network="namespaces" if use_netns else "loopback", skipped=skipped, settlements=settlements,
         not_recovered=sum(1 for r in rec_times if r is None),
         recovery_max=max((r for r in rec_times if r is not None), default=None),
         fail_fast_max=max((e["fail_fast"]["slowest"] for e in events if e.get("fail_fast")), default=None),
@@ -331,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", type=int, default=30, help="faults of each kind (default 30)")
     ap.add_argument("--kinds", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--stop-seconds", type=float, default=15.0, help="how long a stopped daemon stays stopped")
+    ap.add_argument("--link-seconds", type=float, default=10.0,
+                    help="a cut link stays down for a random time from 1 s to this (default 10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peer-timeout", type=float, default=4.0)
     ap.add_argument("--heartbeat-interval", type=float, default=0.25)
@@ -343,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     rng.shuffle(faults)
     res = run_chaos(nodes=a.nodes, floats=a.floats, codec=a.codec, faults=faults, stop_seconds=a.stop_seconds,
                     seed=a.seed, peer_timeout=a.peer_timeout, heartbeat_interval=a.heartbeat_interval,
-                    call_timeout=a.call_timeout, echo=lambda s: print(s, file=sys.stderr, flush=True))
+                    call_timeout=a.call_timeout, link_seconds=a.link_seconds,
+                    echo=lambda s: print(s, file=sys.stderr, flush=True))
     bad = verdict(res)
     res["failed_checks"] = bad
     text = json.dumps(res, indent=1)
