@@ -354,6 +354,10 @@ class OuterLoop:
         np.multiply(upd, np.float32(lr), out=upd)
         np.subtract(outer, upd, out=outer)
         late = mix and self.delay != 0
+        if late and self.pull is not None:
+            # mirrored arrays were last refreshed when this sync started: the mix must keep the local
+            # steps taken since, not overwrite them with that older copy
+            self.pull()
         for i, off in zip(f.members, f.offsets):
             a = self.arrays[i].reshape(-1)
             o = outer[off:off + a.size]

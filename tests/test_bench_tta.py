@@ -150,3 +150,76 @@ def test_report_combines_the_rows_of_several_runs(tmp_path, capsys):
     assert rows["diloco"]["x_limit"] == pytest.approx(3.6 / 4.0)
     assert rows["diloco"]["fewer_bytes_per_step_than_gloo"] == pytest.approx(250.0)
     assert "| diloco | 3.6 | 30 | 11.11x | 0.90 |" in capsys.readouterr().out
+
+
+def test_report_accuracy_columns_for_a_task_measured_by_accuracy():
+    # the CNN: accuracy at --steps, its difference from Gloo's in points, the time to Gloo's accuracy
+    # less half a point
+    rows = [row("gloo", "gloo", [1.0, 0.5, 0.3, 0.2], 1.0), row("diloco", "diloco", [1.2, 0.6, 0.35, 0.25], 0.2)]
+    for r, accs in zip(rows, ([0.80, 0.90, 0.95, 0.960], [0.70, 0.956, 0.952, 0.950])):
+        for e, acc in zip(r["curve"], accs):
+            e["accuracy"] = acc
+    target, s = report(rows, None, 40)
+    g, d = rows
+    assert s["accuracy_target"] == pytest.approx(0.955)
+    assert g["step_at_accuracy"] == 40 and g["time_to_accuracy_s"] == 40.0
+    assert d["step_at_accuracy"] == 20 and d["time_to_accuracy_s"] == pytest.approx(4.0)
+    assert d["accuracy_at_steps"] == 0.95 and d["accuracy_vs_gloo_points"] == pytest.approx(-1.0)
+    text = table(rows, s, 40)
+    assert "accuracy @40 | vs Gloo (points) | time to accuracy (s) |" in text
+    assert "| 95.00% | -1.00 | 4.0 | yes |" in text and "accuracy target 95.50%" in text
+    # a task without accuracy (the LM) keeps its table
+    lm = [row("gloo", "gloo", [3.0, 2.0], 1.0)]
+    _, s2 = report(lm, None, 20)
+    assert "accuracy_target" not in s2 and "accuracy" not in table(lm, s2, 20)
+
+
+def _result(seed, rows, **meta):
+    m = {"command": "birdnet bench tta", "task": "lm", "nodes": 4, "rate": "20mbit", "steps": 40, "seed": seed,
+         "eval_every": 10, "machine": "2 cores"}
+    m.update(meta)
+    return {"meta": m, "rows": rows}
+
+
+def test_reuse_with_rerun_runs_the_named_variants_again(tmp_path):
+    from types import SimpleNamespace
+
+    from birdnet.bench.tta import reusable
+    f = tmp_path / "old.json"
+    rows = [row("gloo", "gloo", [3.0, 2.0], 1.0), row("marsit", "codec", [3.0, 2.1], 0.3),
+            row("diloco", "diloco", [3.0, 2.2], 0.1), row("diloco:steps=60", "diloco", [3.0, 2.2], 0.1),
+            row("solo", "solo", [3.0, 2.5], 0.1)]
+    f.write_text(json.dumps([_result(1, rows), _result(2, rows[:1])]))
+    a = SimpleNamespace(reuse=str(f), rerun="", task="lm", nodes=4, steps=40, eval_every=10, loopback=False,
+                        rate="20mbit")
+    assert set(reusable(a, 1)) == {"gloo", "marsit", "diloco", "diloco:steps=60", "solo"}
+    assert set(reusable(a, 2)) == {"gloo"} and reusable(a, 3) == {}
+    a.rerun = "diloco"  # a kind: every DiLoCo variant runs again
+    assert set(reusable(a, 1)) == {"gloo", "marsit", "solo"}
+    a.rerun = "codecs,diloco:steps=60"  # labels and the kind of --codecs
+    assert set(reusable(a, 1)) == {"gloo", "diloco", "solo"}
+    a.rate = "100mbit"
+    with pytest.raises(SystemExit, match="rate: 20mbit there, 100mbit here"):
+        reusable(a, 1)
+
+
+def test_report_makes_one_table_per_seed_and_refuses_other_runs(tmp_path, capsys):
+    from birdnet.bench.tta import main
+    nodiloco = [_result(s, [row("gloo", "gloo", [3.0, 2.4, 2.1, 2.0 + s / 10], 1.0, bytes_per_step=1000),
+                            row("solo", "solo", [3.1, 2.6, 2.3, 2.2], 0.1)]) for s in (1, 2)]
+    (tmp_path / "base.json").write_text(json.dumps(nodiloco))
+    # DiLoCo measured later, seed by seed, with its own target (no Gloo row in it)
+    (tmp_path / "new.json").write_text(json.dumps([_result(s, [row("diloco", "diloco", [3.0, 2.3, 2.0, 1.9], 0.12)])
+                                                   for s in (2, 1)]))
+    out = tmp_path / "all.json"
+    assert main(["--report", str(tmp_path / "base.json"), str(tmp_path / "new.json"), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["meta"]["seed"] for r in res] == [1, 2]
+    for r, s in zip(res, (1, 2)):
+        assert [x["label"] for x in r["rows"]] == ["gloo", "solo", "diloco"]
+        assert r["summary"]["target"] == pytest.approx((2.0 + s / 10) * 1.02)
+        assert r["rows"][2]["step_at_target"] == 30
+    assert capsys.readouterr().out.count("| diloco |") == 2
+    (tmp_path / "other.json").write_text(json.dumps(_result(1, [], rate="100mbit")))
+    with pytest.raises(SystemExit, match="rate: 100mbit there, 20mbit"):
+        main(["--report", str(tmp_path / "base.json"), str(tmp_path / "other.json")])

@@ -112,7 +112,7 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
 
     import birdnet.client.torch as bnt
     from birdnet.bench.specs import parse_spec
-    from birdnet.bench.torchtasks import make_task, params_digest
+    from birdnet.bench.torchtasks import make_task, params_digest, train_steps
     from birdnet.client import Client, torch_dist
 
     torch.set_num_threads(1)
@@ -153,24 +153,8 @@ def worker(a: argparse.Namespace) -> dict[str, Any]:
         opt = bnt.DistributedOptimizer(task.optimizer(model.parameters(), lr), named_parameters=model.named_parameters(),
                                        client=client, codec=codec, codec_params=params, timeout=600)
         bnt.broadcast_parameters(model.state_dict(), root_rank=0, client=client)
-    history, step_times = [], []
-    train_s = 0.0
-    loss_sum = 0.0
-    for step in range(steps):
-        t0 = time.perf_counter()
-        x, y = task.batch(rank, world, step)
-        opt.zero_grad()
-        loss = task.loss(net, x, y)
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        train_s += dt
-        loss_sum += float(loss.detach())
-        if (step + 1) % a.eval_every == 0 or step + 1 == steps:
-            history.append({"step": step + 1, "seconds": train_s, "train_loss": loss_sum / a.eval_every,
-                            **task.evaluate(model)})
-            loss_sum = 0.0
+    history, step_times = train_steps(task, net, opt, rank, world, steps, a.eval_every,
+                                      evaluate=lambda: task.evaluate(model))
     out = {"rank": rank, "history": history, "step_times": step_times, "digest": params_digest(model)}
     if client is not None:
         client.close()

@@ -202,6 +202,42 @@ def _lm(seed: int, per: int) -> Task:
 
 
 # -- one training process -------------------------------------------------------------------------
+def train_steps(task: Task, net: Any, opt: Any, rank: int, world: int, steps: int, eval_every: int, *,
+                evaluate: Callable[[], dict[str, Any]], after_step: Callable[[], None] | None = None
+                ) -> tuple[list[dict[str, Any]], list[float]]:
+    """``steps`` training steps of ``task`` on this rank's shard of each global batch: the loop the
+    distributed benchmarks time (``birdnet bench tta``, ``python -m birdnet.bench.ddp``).
+
+    ``net`` is what computes the loss (the model, or DDP around it), ``opt`` the optimizer (torch's
+    or a birdnet wrapper). Only the step itself is timed: the batch, ``zero_grad``, forward, backward
+    and ``opt.step()``. Every ``eval_every`` steps and after the last, ``evaluate()`` (its clock paused)
+    adds its fields to a history entry with ``step``, ``seconds`` (training seconds so far) and
+    ``train_loss`` (the mean since the previous entry); ``after_step()`` runs, untimed, after each step
+    (e.g. to read byte counters). Returns ``(history, step_times)``.
+    """
+    history: list[dict[str, Any]] = []
+    step_times: list[float] = []
+    train_s, loss_sum, loss_n = 0.0, 0.0, 0
+    for step in range(steps):
+        t0 = time.perf_counter()
+        x, y = task.batch(rank, world, step)
+        opt.zero_grad()
+        loss = task.loss(net, x, y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        # outside the clock: the hook and the running loss (a .item() waits for nothing on CPU)
+        step_times.append(dt)
+        train_s += dt
+        if after_step is not None:
+            after_step()
+        loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            history.append({"step": step + 1, "seconds": train_s, "train_loss": loss_sum / loss_n, **evaluate()})
+            loss_sum, loss_n = 0.0, 0
+    return history, step_times
+
+
 def params_digest(model) -> str:
     """sha256 over every parameter and buffer, in state_dict order (bit-identity across ranks)."""
     h = hashlib.sha256()

@@ -48,6 +48,9 @@ KINDS = ("gloo", "gloo-fp16", "codec", "diloco", "solo")
 DILOCO_KEYS = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "fragments", "overlap", "codec")
 #: how much above Gloo's final loss the default target lies
 TARGET_SLACK = 1.02
+#: tasks measured by accuracy (the CNN): the accuracy target lies this far below Gloo's at --steps
+#: (half a point: "within 0.5 points of dense accuracy")
+ACCURACY_SLACK = 0.005
 
 
 # -- variants -------------------------------------------------------------------------------------
@@ -139,7 +142,7 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
 
     import birdnet.client.torch as bnt
     from birdnet.bench.ddp import wrap_ddp
-    from birdnet.bench.torchtasks import make_task, params_digest
+    from birdnet.bench.torchtasks import make_task, params_digest, train_steps
     from birdnet.client import Client
 
     torch.set_num_threads(1)
@@ -172,30 +175,19 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
     # only a node's own namespace has an interface of its own to count (lo is the machine's)
     counter = v["iface"] if v["iface"] != "lo" else None
     tx0 = _tx_bytes(counter)
-    history: list[dict[str, Any]] = []
-    step_times: list[float] = []
-    train_s, loss_sum, loss_n, sent = 0.0, 0.0, 0, 0
-    for step in range(steps):
-        t0 = time.perf_counter()
-        x, y = task.batch(rank, world, step)
-        opt.zero_grad()
-        loss = task.loss(net, x, y)
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        # outside the clock: the counters and the running loss (a .item() waits for nothing on CPU)
-        step_times.append(dt)
-        train_s += dt
-        if client is not None:
-            sent = _sent_so_far(opt, sent)
-        loss_sum, loss_n = loss_sum + float(loss.detach()), loss_n + 1
-        if (step + 1) % v["eval_every"] == 0 or step + 1 == steps:
-            tx = _tx_bytes(counter)
-            history.append({"step": step + 1, "seconds": train_s, "train_loss": loss_sum / loss_n,
-                            "wire_bytes": None if tx is None or tx0 is None else tx - tx0,
-                            "adapter_bytes": sent if client is not None else None,
-                            **_evaluate(task, model, opt)})
-            loss_sum, loss_n = 0.0, 0
+    sent = 0
+
+    def count_bytes() -> None:
+        nonlocal sent
+        sent = _sent_so_far(opt, sent)
+
+    def evaluate() -> dict[str, Any]:
+        tx = _tx_bytes(counter)
+        return {"wire_bytes": None if tx is None or tx0 is None else tx - tx0,
+                "adapter_bytes": sent if client is not None else None, **_evaluate(task, model, opt)}
+
+    history, step_times = train_steps(task, net, opt, rank, world, steps, v["eval_every"], evaluate=evaluate,
+                                      after_step=count_bytes if client is not None else None)
     if hasattr(opt, "flush"):
         opt.flush()  # DiLoCo with overlap: the syncs in flight applied, as at the end of training
     out = {"rank": rank, "history": history, "step_times": step_times,
@@ -246,11 +238,12 @@ def _outer_digest(opt) -> str:
 
 
 # -- the report's arithmetic ----------------------------------------------------------------------
-def time_to_target(curve: list[dict[str, Any]], target: float, metric: str = "val_loss") -> dict[str, Any] | None:
+def time_to_target(curve: list[dict[str, Any]], target: float, metric: str = "val_loss",
+                   higher: bool = False) -> dict[str, Any] | None:
     """The first point of ``curve`` (dicts with ``step``, ``seconds`` and ``metric``, in step
-    order) whose ``metric`` is at or below ``target``, or None if none is."""
+    order) whose ``metric`` is at or below ``target`` (at or above with ``higher``), or None."""
     for e in curve:
-        if e[metric] <= target:
+        if e.get(metric) is not None and (e[metric] >= target if higher else e[metric] <= target):
             return e
     return None
 
@@ -334,25 +327,62 @@ def report(rows: list[dict[str, Any]], target: float | None, steps: int) -> tupl
         gb = gloo["bytes_per_step"] if gloo else None
         r["fewer_bytes_per_step_than_gloo"] = (gb / r["bytes_per_step"] if gb and r["bytes_per_step"]
                                                else None)
+    _report_accuracy(rows, gloo, steps, summary)
     return target, summary
 
 
+def _report_accuracy(rows: list[dict[str, Any]], gloo: dict[str, Any] | None, steps: int,
+                     summary: dict[str, Any]) -> None:
+    """For a task measured by accuracy (the CNN): each row's accuracy at ``steps``, its difference
+    from Gloo's in points, and the time to Gloo's accuracy at ``steps`` minus ``ACCURACY_SLACK``."""
+    if not any("accuracy" in r["curve"][-1] for r in rows):
+        return
+    for r in rows:
+        eq = [e for e in r["curve"] if e["step"] <= steps and e.get("accuracy") is not None]
+        r["accuracy_at_steps"] = eq[-1]["accuracy"] if eq else None
+    g_acc = gloo.get("accuracy_at_steps") if gloo else None
+    target = None if g_acc is None else g_acc - ACCURACY_SLACK
+    summary["accuracy_target"] = target
+    for r in rows:
+        hit = time_to_target(r["curve"], target, "accuracy", higher=True) if target is not None else None
+        r["time_to_accuracy_s"] = hit["seconds"] if hit else None
+        r["step_at_accuracy"] = hit["step"] if hit else None
+        r["accuracy_vs_gloo_points"] = (100 * (r["accuracy_at_steps"] - g_acc)
+                                        if g_acc is not None and r["accuracy_at_steps"] is not None else None)
+    summary["gloo_time_to_accuracy_s"] = gloo.get("time_to_accuracy_s") if gloo else None
+
+
 def table(rows: list[dict[str, Any]], summary: dict[str, Any], steps: int) -> str:
+    """The report as a markdown table; a task measured by accuracy gets three more columns: the
+    accuracy at ``steps``, its difference from Gloo's in points and the time to the accuracy target."""
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
-    lines = [f"| variant | time to target (s) | at step | vs Gloo | x limit | s/step | MB/node | "
-             f"bytes/step vs Gloo | val loss @{steps} | vs Gloo | identical |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    acc = "accuracy_target" in summary
+    head = (f"| variant | time to target (s) | at step | vs Gloo | x limit | s/step | MB/node | "
+            f"bytes/step vs Gloo | val loss @{steps} | vs Gloo |")
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if acc:
+        head += f" accuracy @{steps} | vs Gloo (points) | time to accuracy (s) |"
+        rule += "---:|---:|---:|"
+    lines = [head + " identical |", rule + "---|"]
     for r in rows:
         mb = None if r["bytes_per_node"] is None else r["bytes_per_node"] / 1e6
-        lines.append(f"| {r['label']} | {f(r['time_to_target_s'], '.1f')} | {f(r['step_at_target'], 'd')} | "
-                     f"{f(r['speedup_vs_gloo'], '.2f')}x | {f(r['x_limit'], '.2f')} | {r['median_step_s']:.3f} | "
-                     f"{f(mb, '.1f')} | {f(r['fewer_bytes_per_step_than_gloo'], '.0f')}x | "
-                     f"{f(r['val_loss_at_steps'], '.4f')} | {f(None if r['val_loss_vs_gloo'] is None else 100 * r['val_loss_vs_gloo'], '+.2f')}% | "
-                     f"{'yes' if r['identical'] else 'NO' if r['kind'] != 'solo' else '-'} |")
+        line = (f"| {r['label']} | {f(r['time_to_target_s'], '.1f')} | {f(r['step_at_target'], 'd')} | "
+                f"{f(r['speedup_vs_gloo'], '.2f')}x | {f(r['x_limit'], '.2f')} | {r['median_step_s']:.3f} | "
+                f"{f(mb, '.1f')} | {f(r['fewer_bytes_per_step_than_gloo'], '.0f')}x | "
+                f"{f(r['val_loss_at_steps'], '.4f')} | {f(None if r['val_loss_vs_gloo'] is None else 100 * r['val_loss_vs_gloo'], '+.2f')}% |")
+        if acc:
+            pct = None if r.get("accuracy_at_steps") is None else 100 * r["accuracy_at_steps"]
+            line += (f" {f(pct, '.2f')}% | {f(r.get('accuracy_vs_gloo_points'), '+.2f')} | "
+                     f"{f(r.get('time_to_accuracy_s'), '.1f')} |")
+        lines.append(line + f" {'yes' if r['identical'] else 'NO' if r['kind'] != 'solo' else '-'} |")
     lines.append(f"target val loss {f(summary['target'], '.4f')}; compute-only limit "
                  f"{f(summary['compute_limit_s'], '.1f')} s (solo {f(summary['solo_step_s'], '.3f')} s/step x "
                  f"Gloo's {f(summary['gloo_steps_to_target'], 'd')} steps)")
+    if acc:
+        t = summary["accuracy_target"]
+        lines.append(f"accuracy target {f(None if t is None else 100 * t, '.2f')}% (Gloo's at step {steps} "
+                     f"minus {100 * ACCURACY_SLACK:.1f} points)")
     return "\n".join(lines)
 
 
@@ -419,10 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant-timeout", type=float, default=1800.0, help="seconds one variant's ranks may take")
     p.add_argument("--json", metavar="FILE", help="write the results (one object per seed) here")
     p.add_argument("--plot", metavar="FILE.png", help="plot validation loss against seconds and bytes")
-    p.add_argument("--reuse", metavar="FILE", help="take the rows of variants already in this --json result of the same "
-                   "task, nodes, rate, steps and seed instead of running them again (the report says which)")
-    p.add_argument("--report", nargs="+", metavar="FILE", help="run nothing: one table (and --json, --plot) from "
-                   "the rows of earlier results (--json files or their .partial) of one task, links and seed")
+    p.add_argument("--reuse", metavar="FILE", help="take the rows of variants already in this --json result (or its "
+                   ".partial) of the same task, nodes, rate, steps and seed instead of running them again (the "
+                   "report says which)")
+    p.add_argument("--rerun", default="", metavar="NAMES", help="with --reuse: run these variants even if the file "
+                   "has them (comma-separated labels or kinds: gloo, gloo-fp16, codecs, diloco, solo), e.g. "
+                   "--rerun diloco to measure new DiLoCo defaults against the same Gloo, codec and solo rows")
+    p.add_argument("--report", nargs="+", metavar="FILE", help="run nothing: one table per seed (and --json, --plot) "
+                   "from the rows of earlier results (--json files or their .partial) of one task and links")
     p.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -430,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.report:
         return report_files(a)
+    if a.rerun and not a.reuse:
+        p.error("--rerun only makes sense with --reuse FILE")
     variants = parse_variants(a.variants, a.codecs)
     try:
         seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
@@ -448,10 +484,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"birdnet bench tta: network namespaces unavailable ({why}); use --loopback", file=sys.stderr)
             return 2
     cmd = "birdnet bench tta " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = []
+    results: list[dict[str, Any]] = []
     for seed in seeds:
-        rows = []
+        rows: list[dict[str, Any]] = []
         reused = reusable(a, seed) if a.reuse else {}
+        meta = {"command": cmd, "task": a.task, "nodes": a.nodes, "rate": "loopback (unshaped)" if a.loopback else a.rate,
+                "steps": a.steps, "seed": seed, "eval_every": a.eval_every, "bytes": "adapter's count" if a.loopback
+                else "interface tx counter of each node's namespace (training process + daemon)"}
         with tempfile.TemporaryDirectory(prefix="birdnet-tta-") as tmp, \
                 (netns.NetnsCluster(a.nodes, a.rate) if not a.loopback else _Nothing()) as nsc:
             prefixes = [nsc.exec_prefix(i) for i in range(a.nodes)] if nsc else [[] for _ in range(a.nodes)]
@@ -476,18 +515,15 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     row.update(label=v["label"], kind=v["kind"], steps=v["steps"] or a.steps)
                     rows.append(row)
-                    if a.json:  # what is done so far survives a later failure or Ctrl-C
-                        Path(a.json + ".partial").write_text(json.dumps({"seed": seed, "rows": rows}))
+                    if a.json:  # what is done so far (every seed's) survives a later failure or Ctrl-C
+                        Path(a.json + ".partial").write_text(json.dumps([*results, {"meta": meta, "rows": rows}]))
                     print(f" val loss {row['curve'][-1]['val_loss']:.4f}, {row['median_step_s']:.3f} s/step "
                           f"({time.monotonic() - t0:.0f} s)", file=sys.stderr)
         failed = [r for r in rows if "error" in r]
         rows = [r for r in rows if "error" not in r]
         # on loopback Gloo's own interface counter counts everything on lo: no bytes for it there
         target, summary = report(rows, a.target, a.steps)
-        meta = {"command": cmd, "task": a.task, "nodes": a.nodes, "rate": "loopback (unshaped)" if a.loopback else a.rate,
-                "steps": a.steps, "seed": seed, "eval_every": a.eval_every, "bytes": "adapter's count" if a.loopback
-                else "interface tx counter of each node's namespace (training process + daemon)",
-                "machine": f"{os.cpu_count()} cores shared by all nodes, load average {os.getloadavg()[0]:.1f} at the end"}
+        meta["machine"] = f"{os.cpu_count()} cores shared by all nodes, load average {os.getloadavg()[0]:.1f} at the end"
         print(f"\n{a.task}, {a.nodes} nodes, {meta['rate']}, {a.steps} steps, seed {seed} ({meta['machine']})")
         print(table(rows, summary, a.steps))
         for r in failed:
@@ -500,41 +536,81 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(not r["failed"] for r in results) else 1
 
 
+#: what two results must share for their rows to stand in one table
+SAME_RUN = ("task", "nodes", "rate", "steps", "eval_every")
+
+
+def _results_of(path: str) -> list[dict[str, Any]]:
+    """The per-seed results a ``--json`` file or its ``.partial`` holds (one object or a list)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a readable tta result ({exc})") from None
+    return data if isinstance(data, list) else [data]
+
+
+def _seed_of(res: dict[str, Any]) -> int | None:
+    return res["meta"]["seed"] if "meta" in res else res.get("seed")
+
+
 def report_files(a) -> int:
-    """``--report``: the rows of several result files (the first file's meta; a label seen twice
-    keeps its first row) in one table, with the target, speed-ups and limit computed over all."""
-    meta: dict[str, Any] | None = None
-    rows: list[dict[str, Any]] = []
+    """``--report``: the rows of several result files in one table per seed (each seed's meta from
+    the first file that has it; within a seed a label seen twice keeps its first row), with the
+    target, speed-ups and limit computed over all. Files of another task, node count, link rate,
+    step count or evaluation interval are refused."""
+    groups: dict[Any, dict[str, Any]] = {}
+    first: tuple[str, dict[str, Any]] | None = None
     for f in a.report:
-        data = json.loads(Path(f).read_text())
-        for res in data if isinstance(data, list) else [data]:
-            if meta is None and "meta" in res:
-                meta = dict(res["meta"])
+        for res in _results_of(f):
+            m = res.get("meta")
+            if m is not None:
+                if first is None:
+                    first = (f, m)
+                bad = {k: (first[1].get(k), m.get(k)) for k in SAME_RUN if m.get(k) != first[1].get(k)}
+                if bad:
+                    raise SystemExit(f"--report: {f} is another run than {first[0]} ("
+                                     + ", ".join(f"{k}: {y} there, {x} in {first[0]}" for k, (x, y) in bad.items())
+                                     + "); give files of one task and links")
+            g = groups.setdefault(_seed_of(res), {"meta": None, "rows": [], "files": []})
+            if g["meta"] is None and m is not None:
+                g["meta"] = dict(m)
+            if f not in g["files"]:
+                g["files"].append(f)
             for r in res["rows"]:
-                if r["label"] not in {x["label"] for x in rows}:
-                    rows.append(dict(r, source=f))
-    if meta is None:
-        raise SystemExit("--report: none of the files has a run's meta (give a finished --json result first)")
-    steps = meta["steps"]
-    target, summary = report(rows, a.target, steps)
-    meta.update(command=meta["command"] + " (rows from " + ", ".join(a.report) + ")",
-                report_command="birdnet bench tta --report " + " ".join(a.report))
-    print(f"{meta['task']}, {meta['nodes']} nodes, {meta['rate']}, {steps} steps, seed {meta['seed']} ({meta['machine']})")
-    print(table(rows, summary, steps))
-    res = {"meta": meta, "summary": summary, "rows": rows, "failed": []}
+                if r["label"] not in {x["label"] for x in g["rows"]}:
+                    g["rows"].append(dict(r, source=f))
+    results = []
+    for seed, g in groups.items():
+        meta = g["meta"]
+        if meta is None:
+            raise SystemExit(f"--report: no file has the meta of seed {seed}'s run (give a finished --json result "
+                             "or a .partial written by this version first)")
+        steps = meta["steps"]
+        target, summary = report(g["rows"], a.target, steps)
+        meta.update(command=meta["command"] + " (rows from " + ", ".join(g["files"]) + ")",
+                    report_command="birdnet bench tta --report " + " ".join(a.report))
+        print(f"{meta['task']}, {meta['nodes']} nodes, {meta['rate']}, {steps} steps, seed {meta['seed']} ({meta['machine']})"
+              if "machine" in meta else f"{meta['task']}, {meta['nodes']} nodes, {meta['rate']}, {steps} steps, seed {meta['seed']}")
+        print(table(g["rows"], summary, steps))
+        results.append({"meta": meta, "summary": summary, "rows": g["rows"], "failed": []})
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        Path(a.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1))
     if a.plot:
-        plot([res], a.plot)
+        plot(results, a.plot)
     return 0
 
 
 def reusable(a, seed: int) -> dict[str, dict[str, Any]]:
     """The rows of ``a.reuse`` for ``seed`` by label, if that run trained the same thing on the same
-    links (else SystemExit naming what differs)."""
-    data = json.loads(Path(a.reuse).read_text())
-    for res in data if isinstance(data, list) else [data]:
-        m = res["meta"]
+    links (else SystemExit naming what differs), less those ``a.rerun`` names (labels or kinds)."""
+    rerun = {x.strip() for x in a.rerun.split(",") if x.strip()}
+    if "codecs" in rerun:
+        rerun.add("codec")
+    for res in _results_of(a.reuse):
+        m = res.get("meta")
+        if m is None:
+            raise SystemExit(f"--reuse {a.reuse}: it names no run (a .partial of an older version); "
+                             "join it with --report instead")
         if m["seed"] != seed:
             continue
         want = {"task": a.task, "nodes": a.nodes, "steps": a.steps, "eval_every": a.eval_every,
@@ -542,7 +618,7 @@ def reusable(a, seed: int) -> dict[str, dict[str, Any]]:
         bad = {k: (m.get(k), v) for k, v in want.items() if m.get(k) != v}
         if bad:
             raise SystemExit(f"--reuse {a.reuse}: its run differs ({', '.join(f'{k}: {x} there, {y} here' for k, (x, y) in bad.items())})")
-        return {r["label"]: r for r in res["rows"]}
+        return {r["label"]: r for r in res["rows"] if r["label"] not in rerun and r["kind"] not in rerun}
     return {}
 
 
