@@ -76,10 +76,10 @@ WARMUP_OUTER_LR = 1.0
 DEFAULT_SCHEDULE: tuple[Any, ...] = ((1, 8), (2, 8), (4, 16), (8, 32), 16)
 #: the pseudo-gradient's default codec and parameters (docs/slowlink.md, Codecs)
 DEFAULT_CODEC = "lowbit"
-DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 8, "error_feedback": False}
+DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
 #: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
 DEFAULT_WARMUP_CODEC = "lowbit"
-DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 8, "error_feedback": False}
+DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
 #: Streaming DiLoCo's mixing factor for a fragment applied late (overlap): local = a*local + (1-a)*outer
 MIX_ALPHA = 0.5
 #: key of the outer state inside a framework optimizer's state_dict
