@@ -63,20 +63,7 @@ def main() -> None:
             label = name + (" " + ", ".join(f"{k}={v}" for k, v in p.items()) if p else "")
             print(f"{label:<44} {loss:.4f}")
         return
-    import torch
-
-    from birdnet.bench.torchtasks import make_task
-    torch.set_num_threads(1)
-    task = make_task("lm", 0)
-    torch.manual_seed(0)
-    models = [task.model() for _ in range(a.workers)]
-    for m in models[1:]:
-        m.load_state_dict(models[0].state_dict())
-    opts = [task.optimizer(m.parameters(), task.lr) for m in models]
-    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy().astype(np.float32)  # noqa: E731
-    outer = flat(models[0]).astype(np.float64)
-    mom = np.zeros_like(outer)
-    n = outer.size
+    task, models, opts, flat, outer, mom, n = _workers(a)
     codecs = [(name, p, get_codec(name if name != "gathered" else "lowbit", **p)) for name, p in CONFIGS]
     states = [[c.new_state(n) for _ in range(a.workers)] for _, _, c in codecs]
     errs = [[] for _ in CONFIGS]
@@ -109,9 +96,7 @@ def main() -> None:
         # DiLoCo's outer step on the exact average; every worker restarts from the outer parameters
         mom = 0.9 * mom + exact
         outer = outer - 0.7 * (exact + 0.9 * mom)
-        with torch.no_grad():
-            for m in models:
-                torch.nn.utils.vector_to_parameters(torch.from_numpy(outer.astype(np.float32)), m.parameters())
+        _restart(models, outer)
         print(f"sync {t + 1}/{a.syncs}: step {step}, val_loss {task.evaluate(models[0])['val_loss']:.3f}", flush=True)
     print(f"\n{a.workers} workers, every {a.every} steps, {a.syncs} syncs, {n:,} elements")
     print(f"{'configuration':<44} {'bytes/sync/node':>15} {'rel.err/sync':>12} {'max':>7} {'of the sum':>10}")
@@ -121,8 +106,10 @@ def main() -> None:
         print(f"{label:<44} {ring_bytes(name, p, n, a.workers):>15,.0f} {np.mean(e):>12.4f} {np.max(e):>7.4f} {tot:>10.4f}")
 
 
-def closed_loop(name: str, p: dict, a) -> float:
-    """DiLoCo with this codec's average in the outer step; the final held-out loss."""
+
+def _workers(a):
+    """The bench transformer's workers from one start: task, models, optimizers, a flattener, the
+    outer parameters (float64), their momentum and the parameter count."""
     import torch
 
     from birdnet.bench.torchtasks import make_task
@@ -133,10 +120,23 @@ def closed_loop(name: str, p: dict, a) -> float:
     for m in models[1:]:
         m.load_state_dict(models[0].state_dict())
     opts = [task.optimizer(m.parameters(), task.lr) for m in models]
-    flat = lambda m: torch.cat([q.detach().reshape(-1) for q in m.parameters()]).numpy().astype(np.float32)  # noqa: E731
+
+    def flat(m):
+        return torch.cat([q.detach().reshape(-1) for q in m.parameters()]).numpy().astype(np.float32)
     outer = flat(models[0]).astype(np.float64)
-    mom = np.zeros_like(outer)
-    n = outer.size
+    return task, models, opts, flat, outer, np.zeros_like(outer), outer.size
+
+
+def _restart(models, outer) -> None:
+    """Every worker's parameters from the outer parameters."""
+    import torch
+    with torch.no_grad():
+        for m in models:
+            torch.nn.utils.vector_to_parameters(torch.from_numpy(outer.astype(np.float32)), m.parameters())
+
+def closed_loop(name: str, p: dict, a) -> float:
+    """DiLoCo with this codec's average in the outer step; the final held-out loss."""
+    task, models, opts, flat, outer, mom, n = _workers(a)
     codec = get_codec(name, **p)
     states = [codec.new_state(n) for _ in range(a.workers)]
     step = 0
@@ -152,9 +152,7 @@ def closed_loop(name: str, p: dict, a) -> float:
         avg = codec_round(codec, xs, states, n, t, 0, 0, "pg").astype(np.float64) / a.workers
         mom = 0.9 * mom + avg
         outer = outer - 0.7 * (avg + 0.9 * mom)
-        with torch.no_grad():
-            for m in models:
-                torch.nn.utils.vector_to_parameters(torch.from_numpy(outer.astype(np.float32)), m.parameters())
+        _restart(models, outer)
     loss = task.evaluate(models[0])["val_loss"]
     print(f"{name} {p}: {loss:.4f}", flush=True)
     return loss
