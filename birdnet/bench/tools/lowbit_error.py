@@ -71,13 +71,7 @@ def main() -> None:
     exact_sum = np.zeros(n)
     step = 0
     for t in range(a.syncs):
-        for _ in range(a.every):
-            for r, (m, o) in enumerate(zip(models, opts)):
-                x, y = task.batch(r, a.workers, step)
-                o.zero_grad()
-                task.loss(m, x, y).backward()
-                o.step()
-            step += 1
+        step = _inner(task, models, opts, a, step)
         xs = [(outer - flat(m)).astype(np.float32) for m in models]
         exact = np.mean(np.array(xs, np.float64), axis=0)
         exact_sum += exact
@@ -134,6 +128,18 @@ def _restart(models, outer) -> None:
         for m in models:
             torch.nn.utils.vector_to_parameters(torch.from_numpy(outer.astype(np.float32)), m.parameters())
 
+
+def _inner(task, models, opts, a, step: int) -> int:
+    """``a.every`` inner steps of every worker on its own batches; the step count after them."""
+    for _ in range(a.every):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            x, y = task.batch(r, a.workers, step)
+            o.zero_grad()
+            task.loss(m, x, y).backward()
+            o.step()
+        step += 1
+    return step
+
 def closed_loop(name: str, p: dict, a) -> float:
     """DiLoCo with this codec's average in the outer step; the final held-out loss."""
     task, models, opts, flat, outer, mom, n = _workers(a)
@@ -141,13 +147,7 @@ def closed_loop(name: str, p: dict, a) -> float:
     states = [codec.new_state(n) for _ in range(a.workers)]
     step = 0
     for t in range(a.syncs):
-        for _ in range(a.every):
-            for r, (m, o) in enumerate(zip(models, opts)):
-                x, y = task.batch(r, a.workers, step)
-                o.zero_grad()
-                task.loss(m, x, y).backward()
-                o.step()
-            step += 1
+        step = _inner(task, models, opts, a, step)
         xs = [(outer - flat(m)).astype(np.float32) for m in models]
         avg = codec_round(codec, xs, states, n, t, 0, 0, "pg").astype(np.float64) / a.workers
         mom = 0.9 * mom + avg
