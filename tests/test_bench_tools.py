@@ -11,7 +11,7 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 ARGPARSE_TOOLS = ["loopcpu", "pyring", "rawring", "runnercpu", "sim", "sim_codec", "sim_shared",
-                  "sparse_oracle", "threadcpu", "diloco_sim"]
+                  "sparse_oracle", "threadcpu", "diloco_sim", "diloco_loop_sim", "lowbit_error"]
 
 
 def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -21,7 +21,7 @@ def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("name", ARGPARSE_TOOLS)
 def test_tool_imports_and_parses(name):
-    if name in ("sparse_oracle", "diloco_sim"):
+    if name in ("sparse_oracle", "diloco_sim", "diloco_loop_sim"):
         pytest.importorskip("torch")
     if name in ("sim", "sim_shared"):
         pytest.importorskip("mnist1d")
