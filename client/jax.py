@@ -107,14 +107,7 @@ def _to_numpy(leaf: Any, path: str) -> tuple[np.ndarray, np.dtype]:
 
 
 def _from_numpy(result: np.ndarray, like: Any, dtype: np.dtype) -> Any:
-    out = result if result.dtype == dtype else result.astype(dtype)
-    if jax is not None and isinstance(like, jax.Array):
-        return jax.numpy.asarray(out)
-    if isinstance(like, (bool, int, float)) and not isinstance(like, np.generic):
-        return type(like)(out.reshape(()).item())
-    if isinstance(like, np.generic):
-        return out.reshape(())[()]
-    return out
+    return _as_kind(result, _kind(like), dtype, copy=False)
 
 
 # -- the collective -------------------------------------------------------------------------------
@@ -188,10 +181,10 @@ def _kind(leaf: Any) -> Any:
     return "numpy"
 
 
-def _as_kind(arr: np.ndarray, kind: Any, dtype: np.dtype) -> Any:
-    """A fresh copy of ``arr`` as a leaf of ``kind`` and ``dtype`` (the loop's arrays change at the
-    next sync; a leaf handed out must not)."""
-    out = arr.astype(dtype, copy=True)
+def _as_kind(arr: np.ndarray, kind: Any, dtype: np.dtype, copy: bool = True) -> Any:
+    """``arr`` as a leaf of ``kind`` and ``dtype``; a fresh copy unless ``copy=False`` (the outer
+    loop's arrays change at the next sync; a leaf handed out must not)."""
+    out = arr.astype(dtype, copy=copy)
     if kind == "jax":
         return jax.numpy.asarray(out)
     if kind == "generic":
