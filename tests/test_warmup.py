@@ -129,14 +129,16 @@ def test_a_bad_default_codec_parameter_stops_the_daemon_with_status_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_first_birdplus_and_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_path):
-    """3 daemons with a 1.5 s peer_timeout and an empty Numba cache: before the warm-up, the first
-    birdplus round compiled on the ring thread for 13 s here (49 s under load), and the peers were
-    declared lost. Now every node's first calls succeed, no daemon ever counts a peer lost, no
-    kernel is compiled or loaded on a ring thread, and all nodes end bit-identical."""
+def test_first_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_path):
+    """3 daemons with a 1.5 s peer_timeout and an empty Numba cache: a first compressed round whose
+    kernels compiled on the ring thread (11-18 s for marsit here, 37-58 s for birdplus) would stop
+    its heartbeats and get the node counted lost. Every node's first calls succeed, no daemon ever
+    counts a peer lost, no kernel is compiled or loaded on a ring thread, and all nodes end
+    bit-identical. One codec is enough for the property (its compile is already 10x peer_timeout);
+    birdplus's longer compile would only add a minute to every CI run."""
     old = os.environ.get("NUMBA_CACHE_DIR")
     os.environ["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
-    specs = [("birdplus", {}), ("marsit", {})]
+    specs = [("marsit", {})]
     try:
         with LocalCluster(3, tmp_path, peer_timeout=1.5, heartbeat_interval=0.25) as cl:
             res = cl.run(workers.first_compressed_rounds, specs, 70001, 2, 500.0, timeout=540)
@@ -158,7 +160,7 @@ def test_first_birdplus_and_marsit_rounds_from_an_empty_cache_lose_no_peer(tmp_p
     for st in statuses:
         k = st["kernels"]
         assert k["ring_thread_compiles"] == 0, k
-        assert {"birdplus", "marsit"} <= set(k["loaded"]), k
+        assert "marsit" in k["loaded"], k
         assert st["rounds_failed"] == 0
     for text in logs:
         assert " lost" not in text, text[-3000:]
