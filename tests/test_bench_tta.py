@@ -196,8 +196,8 @@ def test_seeds_table_pairs_each_seed_with_its_own_gloo():
         results.append(_result(seed, rows, task="cnn", steps=60))
     text = seeds_table(results)
     # differences -1.0, 0.0, -1.5 points: mean -0.83, standard error 0.44
-    assert "| diloco | 96.17% (95.00-98.00) | 96.17% (95.00-98.00) | -0.83 +- 0.44 |" in text
-    assert "| gloo | 97.00% (96.00-98.00) | 97.00% (96.00-98.00) | +0.00 +- 0.00 |" in text
+    assert "| diloco | 96.17% (95.00-98.00) | -0.83 +- 0.44 | 96.17% (95.00-98.00) | -0.83 +- 0.44 |" in text
+    assert "| gloo | 97.00% (96.00-98.00) | +0.00 +- 0.00 | 97.00% (96.00-98.00) | +0.00 +- 0.00 |" in text
     assert seeds_table(results[:1]) is None  # one seed: the per-seed table says it all
 
 

@@ -413,8 +413,8 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], steps: int) -> st
 def seeds_table(results: list[dict[str, Any]]) -> str | None:
     """For a task measured by accuracy run with several seeds: per variant (those in every seed's
     rows), the accuracy at ``steps`` and the windowed accuracy, each as the mean over the seeds with
-    their range, and the windowed accuracy's difference from Gloo's of the same seed (the same test
-    images, batches and initialisation) as the mean over the seeds with its standard error; None for
+    their range and its difference from Gloo's of the same seed (the same test images, batches and
+    initialisation) as the mean over the seeds with its standard error; None for
     one seed or a task without accuracy. Each seed draws its own 1400/397 split, so the mean over k
     seeds rests on k x 397 test evaluations."""
     if len(results) < 2 or not all(r["rows"] and "accuracy_window" in r["rows"][0] for r in results):
@@ -427,19 +427,23 @@ def seeds_table(results: list[dict[str, Any]]) -> str | None:
     def pts(xs: list[float]) -> str:
         return f"{100 * statistics.fmean(xs):.2f}% ({100 * min(xs):.2f}-{100 * max(xs):.2f})"
 
-    lines = [f"| variant (seeds {', '.join(map(str, seeds))}) | accuracy @{steps}: mean (range) | mean of last "
-             f"{ACCURACY_WINDOW}: mean (range) | vs Gloo (points): mean +- s.e. | val loss @{steps}: mean |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"| variant (seeds {', '.join(map(str, seeds))}) | accuracy @{steps}: mean (range) | vs Gloo (points): "
+             f"mean +- s.e. | mean of last {ACCURACY_WINDOW}: mean (range) | vs Gloo (points): mean +- s.e. | "
+             f"val loss @{steps}: mean |",
+             "|---|---:|---:|---:|---:|---:|"]
+
+    def paired(rs: list[dict[str, Any]], key: str) -> str:
+        d = [x[key] for x in rs if x.get(key) is not None]
+        return "-" if len(d) < len(rs) else f"{statistics.fmean(d):+.2f} +- {statistics.stdev(d) / math.sqrt(len(d)):.2f}"
+
     for label in labels:
         rs = [next(x for x in res["rows"] if x["label"] == label) for res in results]
         if any(x.get("accuracy_window") is None or x.get("accuracy_at_steps") is None for x in rs):
             continue
-        d = [x["accuracy_window_vs_gloo_points"] for x in rs if x.get("accuracy_window_vs_gloo_points") is not None]
-        diff = "-" if len(d) < len(rs) else (f"{statistics.fmean(d):+.2f} +- "
-                                            f"{statistics.stdev(d) / math.sqrt(len(d)):.2f}")
         vl = [x["val_loss_at_steps"] for x in rs if x.get("val_loss_at_steps") is not None]
         lines.append(f"| {label} | {pts([x['accuracy_at_steps'] for x in rs])} | "
-                     f"{pts([x['accuracy_window'] for x in rs])} | {diff} | "
+                     f"{paired(rs, 'accuracy_vs_gloo_points')} | {pts([x['accuracy_window'] for x in rs])} | "
+                     f"{paired(rs, 'accuracy_window_vs_gloo_points')} | "
                      f"{'-' if not vl else format(statistics.fmean(vl), '.4f')} |")
     return "\n".join(lines)
 
