@@ -220,7 +220,7 @@ def _evaluate(task, model, opt) -> dict[str, float]:
         return task.evaluate(model)
     import torch
     local = {k: v.detach().clone() for k, v in model.named_parameters()}
-    out = {f"local_{k}": v for k, v in task.evaluate(model).items()}
+    out = {f"local_{k}": v for k, v in task.evaluate(model).items() if k != "test_images"}
     with torch.no_grad():
         for k, v in loop.outer_parameters().items():
             dict(model.named_parameters())[k].copy_(torch.from_numpy(v))
