@@ -25,7 +25,10 @@ validation loss x 1.02), the speed-up against Gloo, the ratio to the compute-onl
 median seconds per step x the steps Gloo needed to reach the target), bytes sent per node (the
 node's interface counter in its namespace: everything its training process and daemon sent; on
 loopback the adapter's own count), the validation loss at equal steps, and whether every node ends
-with bit-identical parameters. ``--plot`` draws validation loss against seconds and against bytes.
+with bit-identical parameters. For the CNN also the test accuracy at ``--steps`` and the mean of the
+last ``ACCURACY_WINDOW`` evaluations to it, each against Gloo's in points, and with several seeds a
+table over the seeds (the paired differences' mean and standard error). ``--plot`` draws validation
+loss against seconds and against bytes.
 """
 from __future__ import annotations
 
