@@ -152,26 +152,53 @@ def test_report_combines_the_rows_of_several_runs(tmp_path, capsys):
     assert "| diloco | 3.6 | 30 | 11.11x | 0.90 |" in capsys.readouterr().out
 
 
-def test_report_accuracy_columns_for_a_task_measured_by_accuracy():
-    # the CNN: accuracy at --steps, its difference from Gloo's in points, the time to Gloo's accuracy
-    # less half a point
-    rows = [row("gloo", "gloo", [1.0, 0.5, 0.3, 0.2], 1.0), row("diloco", "diloco", [1.2, 0.6, 0.35, 0.25], 0.2)]
-    for r, accs in zip(rows, ([0.80, 0.90, 0.95, 0.960], [0.70, 0.956, 0.952, 0.950])):
+def _acc_rows(gloo_accs, diloco_accs, images=400):
+    rows = [row("gloo", "gloo", [1.0, 0.5, 0.3, 0.2, 0.2, 0.2], 1.0),
+            row("diloco", "diloco", [1.2, 0.6, 0.35, 0.25, 0.25, 0.25], 0.2)]
+    for r, accs in zip(rows, (gloo_accs, diloco_accs)):
         for e, acc in zip(r["curve"], accs):
-            e["accuracy"] = acc
-    target, s = report(rows, None, 40)
+            e["accuracy"], e["test_images"] = acc, images
+    return rows
+
+
+def test_report_accuracy_columns_for_a_task_measured_by_accuracy():
+    # the CNN: accuracy at --steps and the mean of the last 5 evaluations, their differences from
+    # Gloo's in points, the time to Gloo's windowed accuracy less half a point, the binomial error
+    rows = _acc_rows([0.50, 0.96, 0.95, 0.97, 0.96, 0.96], [0.50, 0.90, 0.956, 0.95, 0.94, 0.95])
+    target, s = report(rows, None, 60)
     g, d = rows
+    assert g["accuracy_window"] == pytest.approx(0.96) and g["accuracy_window_steps"] == [20, 30, 40, 50, 60]
     assert s["accuracy_target"] == pytest.approx(0.955)
-    assert g["step_at_accuracy"] == 40 and g["time_to_accuracy_s"] == 40.0
-    assert d["step_at_accuracy"] == 20 and d["time_to_accuracy_s"] == pytest.approx(4.0)
+    assert g["step_at_accuracy"] == 20 and g["time_to_accuracy_s"] == 20.0
+    assert d["step_at_accuracy"] == 30 and d["time_to_accuracy_s"] == pytest.approx(6.0)
     assert d["accuracy_at_steps"] == 0.95 and d["accuracy_vs_gloo_points"] == pytest.approx(-1.0)
-    text = table(rows, s, 40)
-    assert "accuracy @40 | vs Gloo (points) | time to accuracy (s) |" in text
-    assert "| 95.00% | -1.00 | 4.0 | yes |" in text and "accuracy target 95.50%" in text
+    assert d["accuracy_window"] == pytest.approx(0.9392)
+    assert d["accuracy_window_vs_gloo_points"] == pytest.approx(-2.08)
+    assert g["accuracy_se_points"] == pytest.approx(100 * (0.96 * 0.04 / 400) ** 0.5)  # 0.98 points
+    text = table(rows, s, 60)
+    assert "accuracy @60 | vs Gloo (points) | mean of last 5 | vs Gloo (points) | time to accuracy (s) |" in text
+    assert "| 95.00% | -1.00 | 93.92% | -2.08 | 6.0 | yes |" in text and "accuracy target 95.50%" in text
+    assert "standard error of one evaluation of Gloo's: 0.98 points" in text
     # a task without accuracy (the LM) keeps its table
     lm = [row("gloo", "gloo", [3.0, 2.0], 1.0)]
     _, s2 = report(lm, None, 20)
     assert "accuracy_target" not in s2 and "accuracy" not in table(lm, s2, 20)
+
+
+def test_seeds_table_pairs_each_seed_with_its_own_gloo():
+    from birdnet.bench.tta import seeds_table
+    results = []
+    for seed, (ga, da) in enumerate([([0.9] + [0.96] * 5, [0.9] + [0.95] * 5),
+                                     ([0.9] + [0.98] * 5, [0.9] + [0.98] * 5),
+                                     ([0.9] + [0.97] * 5, [0.9] + [0.955] * 5)]):
+        rows = _acc_rows(ga, da)
+        report(rows, None, 60)
+        results.append(_result(seed, rows, task="cnn", steps=60))
+    text = seeds_table(results)
+    # differences -1.0, 0.0, -1.5 points: mean -0.83, standard error 0.44
+    assert "| diloco | 96.17% (95.00-98.00) | -0.83 +- 0.44 | 96.17% (95.00-98.00) | -0.83 +- 0.44 |" in text
+    assert "| gloo | 97.00% (96.00-98.00) | +0.00 +- 0.00 | 97.00% (96.00-98.00) | +0.00 +- 0.00 |" in text
+    assert seeds_table(results[:1]) is None  # one seed: the per-seed table says it all
 
 
 def _result(seed, rows, **meta):

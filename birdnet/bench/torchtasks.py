@@ -4,8 +4,9 @@ other benchmarks (e.g. the same task under torch.distributed).
 Both tasks run offline, with no download at run time:
 
 ``cnn``
-    scikit-learn's 8x8 handwritten digits upsampled (bilinear) to 16x16, a 2-conv CNN (about 41k
-    parameters), momentum SGD; metric: test accuracy.
+    scikit-learn's 8x8 handwritten digits upsampled (bilinear) to 16x16, a 2-conv CNN (38,282
+    parameters), momentum SGD; metric: test accuracy on the 397 images the seed holds out (one image
+    is 0.25 points; the binomial standard error of one evaluation near 98% is about 0.7 points).
 ``lm``
     a byte-level causal transformer (2 layers, d=128, 4 heads, context 64, about 430k parameters)
     on a fixed list of Python standard library source files (text shipped with every Python),
@@ -115,7 +116,8 @@ def _cnn(seed: int, per: int) -> Task:
             acc = float((out.argmax(1) == yte).float().mean())
             val = float(torch.nn.functional.cross_entropy(out, yte))
         model.train()
-        return {"accuracy": acc, "val_loss": val}
+        # test_images: what the accuracy's binomial standard error needs (birdnet bench tta reports it)
+        return {"accuracy": acc, "val_loss": val, "test_images": len(yte)}
 
     def optimizer(params, lr):
         return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4)

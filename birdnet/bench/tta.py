@@ -25,12 +25,16 @@ validation loss x 1.02), the speed-up against Gloo, the ratio to the compute-onl
 median seconds per step x the steps Gloo needed to reach the target), bytes sent per node (the
 node's interface counter in its namespace: everything its training process and daemon sent; on
 loopback the adapter's own count), the validation loss at equal steps, and whether every node ends
-with bit-identical parameters. ``--plot`` draws validation loss against seconds and against bytes.
+with bit-identical parameters. For the CNN also the test accuracy at ``--steps`` and the mean of the
+last ``ACCURACY_WINDOW`` evaluations to it, each against Gloo's in points, and with several seeds a
+table over the seeds (the paired differences' mean and standard error). ``--plot`` draws validation
+loss against seconds and against bytes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -51,6 +55,9 @@ TARGET_SLACK = 1.02
 #: tasks measured by accuracy (the CNN): the accuracy target lies this far below Gloo's at --steps
 #: (half a point: "within 0.5 points of dense accuracy")
 ACCURACY_SLACK = 0.005
+#: accuracy at --steps is also reported as the mean of this many evaluations ending there (with
+#: --eval-every 10: steps 260-300 of 300), which the accuracy target and the comparison use
+ACCURACY_WINDOW = 5
 
 
 # -- variants -------------------------------------------------------------------------------------
@@ -216,7 +223,7 @@ def _evaluate(task, model, opt) -> dict[str, float]:
         return task.evaluate(model)
     import torch
     local = {k: v.detach().clone() for k, v in model.named_parameters()}
-    out = {f"local_{k}": v for k, v in task.evaluate(model).items()}
+    out = {f"local_{k}": v for k, v in task.evaluate(model).items() if k != "test_images"}
     with torch.no_grad():
         for k, v in loop.outer_parameters().items():
             dict(model.named_parameters())[k].copy_(torch.from_numpy(v))
@@ -333,15 +340,28 @@ def report(rows: list[dict[str, Any]], target: float | None, steps: int) -> tupl
 
 def _report_accuracy(rows: list[dict[str, Any]], gloo: dict[str, Any] | None, steps: int,
                      summary: dict[str, Any]) -> None:
-    """For a task measured by accuracy (the CNN): each row's accuracy at ``steps``, its difference
-    from Gloo's in points, and the time to Gloo's accuracy at ``steps`` minus ``ACCURACY_SLACK``."""
+    """For a task measured by accuracy (the CNN): each row's accuracy at ``steps`` and the mean of its
+    last ``ACCURACY_WINDOW`` evaluations up to ``steps``, their differences from Gloo's in points, the
+    binomial standard error of one evaluation (where the curve says how many test images), and the
+    time to Gloo's windowed accuracy minus ``ACCURACY_SLACK``.
+
+    One evaluation of a model on a few hundred images moves by a point between neighbouring steps
+    (each image is 0.25 points of 397); the window averages that out, it does not change what is
+    compared: the accuracy of the models training has produced by ``steps``."""
     if not any("accuracy" in r["curve"][-1] for r in rows):
         return
     for r in rows:
         eq = [e for e in r["curve"] if e["step"] <= steps and e.get("accuracy") is not None]
         r["accuracy_at_steps"] = eq[-1]["accuracy"] if eq else None
+        win = eq[-ACCURACY_WINDOW:]
+        r["accuracy_window"] = statistics.fmean(e["accuracy"] for e in win) if win else None
+        r["accuracy_window_steps"] = [e["step"] for e in win]
+        n = eq[-1].get("test_images") if eq else None
+        p = r["accuracy_at_steps"]
+        r["accuracy_se_points"] = None if not n or p is None else 100 * math.sqrt(p * (1 - p) / n)
     g_acc = gloo.get("accuracy_at_steps") if gloo else None
-    target = None if g_acc is None else g_acc - ACCURACY_SLACK
+    g_win = gloo.get("accuracy_window") if gloo else None
+    target = None if g_win is None else g_win - ACCURACY_SLACK
     summary["accuracy_target"] = target
     for r in rows:
         hit = time_to_target(r["curve"], target, "accuracy", higher=True) if target is not None else None
@@ -349,12 +369,15 @@ def _report_accuracy(rows: list[dict[str, Any]], gloo: dict[str, Any] | None, st
         r["step_at_accuracy"] = hit["step"] if hit else None
         r["accuracy_vs_gloo_points"] = (100 * (r["accuracy_at_steps"] - g_acc)
                                         if g_acc is not None and r["accuracy_at_steps"] is not None else None)
+        r["accuracy_window_vs_gloo_points"] = (100 * (r["accuracy_window"] - g_win)
+                                               if g_win is not None and r["accuracy_window"] is not None else None)
     summary["gloo_time_to_accuracy_s"] = gloo.get("time_to_accuracy_s") if gloo else None
 
 
 def table(rows: list[dict[str, Any]], summary: dict[str, Any], steps: int) -> str:
-    """The report as a markdown table; a task measured by accuracy gets three more columns: the
-    accuracy at ``steps``, its difference from Gloo's in points and the time to the accuracy target."""
+    """The report as a markdown table; a task measured by accuracy gets five more columns: the
+    accuracy at ``steps`` and the mean of the last ``ACCURACY_WINDOW`` evaluations, each with its
+    difference from Gloo's in points, and the time to the accuracy target."""
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
     acc = "accuracy_target" in summary
@@ -362,8 +385,9 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], steps: int) -> st
             f"bytes/step vs Gloo | val loss @{steps} | vs Gloo |")
     rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     if acc:
-        head += f" accuracy @{steps} | vs Gloo (points) | time to accuracy (s) |"
-        rule += "---:|---:|---:|"
+        head += (f" accuracy @{steps} | vs Gloo (points) | mean of last {ACCURACY_WINDOW} | vs Gloo (points) | "
+                 "time to accuracy (s) |")
+        rule += "---:|---:|---:|---:|---:|"
     lines = [head + " identical |", rule + "---|"]
     for r in rows:
         mb = None if r["bytes_per_node"] is None else r["bytes_per_node"] / 1e6
@@ -373,16 +397,57 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any], steps: int) -> st
                 f"{f(r['val_loss_at_steps'], '.4f')} | {f(None if r['val_loss_vs_gloo'] is None else 100 * r['val_loss_vs_gloo'], '+.2f')}% |")
         if acc:
             pct = None if r.get("accuracy_at_steps") is None else 100 * r["accuracy_at_steps"]
-            line += (f" {f(pct, '.2f')}% | {f(r.get('accuracy_vs_gloo_points'), '+.2f')} | "
-                     f"{f(r.get('time_to_accuracy_s'), '.1f')} |")
+            win = None if r.get("accuracy_window") is None else 100 * r["accuracy_window"]
+            line += (f" {f(pct, '.2f')}% | {f(r.get('accuracy_vs_gloo_points'), '+.2f')} | {f(win, '.2f')}% | "
+                     f"{f(r.get('accuracy_window_vs_gloo_points'), '+.2f')} | {f(r.get('time_to_accuracy_s'), '.1f')} |")
         lines.append(line + f" {'yes' if r['identical'] else 'NO' if r['kind'] != 'solo' else '-'} |")
     lines.append(f"target val loss {f(summary['target'], '.4f')}; compute-only limit "
                  f"{f(summary['compute_limit_s'], '.1f')} s (solo {f(summary['solo_step_s'], '.3f')} s/step x "
                  f"Gloo's {f(summary['gloo_steps_to_target'], 'd')} steps)")
     if acc:
         t = summary["accuracy_target"]
-        lines.append(f"accuracy target {f(None if t is None else 100 * t, '.2f')}% (Gloo's at step {steps} "
-                     f"minus {100 * ACCURACY_SLACK:.1f} points)")
+        se = next((r["accuracy_se_points"] for r in rows if r["kind"] == "gloo" and r.get("accuracy_se_points")), None)
+        lines.append(f"accuracy target {f(None if t is None else 100 * t, '.2f')}% (Gloo's mean of its last "
+                     f"{ACCURACY_WINDOW} evaluations to step {steps} minus {100 * ACCURACY_SLACK:.1f} points)"
+                     + ("" if se is None else f"; binomial standard error of one evaluation of Gloo's: {se:.2f} points"))
+    return "\n".join(lines)
+
+
+def seeds_table(results: list[dict[str, Any]]) -> str | None:
+    """For a task measured by accuracy run with several seeds: per variant (those in every seed's
+    rows), the accuracy at ``steps`` and the windowed accuracy, each as the mean over the seeds with
+    their range and its difference from Gloo's of the same seed (the same test images, batches and
+    initialisation) as the mean over the seeds with its standard error; None for
+    one seed or a task without accuracy. Each seed draws its own 1400/397 split, so the mean over k
+    seeds rests on k x 397 test evaluations."""
+    if len(results) < 2 or not all(r["rows"] and "accuracy_window" in r["rows"][0] for r in results):
+        return None
+    steps = results[0]["meta"]["steps"]
+    labels = [r["label"] for r in results[0]["rows"] if all(r["label"] in {x["label"] for x in res["rows"]}
+                                                            for res in results)]
+    seeds = [res["meta"]["seed"] for res in results]
+
+    def pts(xs: list[float]) -> str:
+        return f"{100 * statistics.fmean(xs):.2f}% ({100 * min(xs):.2f}-{100 * max(xs):.2f})"
+
+    lines = [f"| variant (seeds {', '.join(map(str, seeds))}) | accuracy @{steps}: mean (range) | vs Gloo (points): "
+             f"mean +- s.e. | mean of last {ACCURACY_WINDOW}: mean (range) | vs Gloo (points): mean +- s.e. | "
+             f"val loss @{steps}: mean |",
+             "|---|---:|---:|---:|---:|---:|"]
+
+    def paired(rs: list[dict[str, Any]], key: str) -> str:
+        d = [x[key] for x in rs if x.get(key) is not None]
+        return "-" if len(d) < len(rs) else f"{statistics.fmean(d):+.2f} +- {statistics.stdev(d) / math.sqrt(len(d)):.2f}"
+
+    for label in labels:
+        rs = [next(x for x in res["rows"] if x["label"] == label) for res in results]
+        if any(x.get("accuracy_window") is None or x.get("accuracy_at_steps") is None for x in rs):
+            continue
+        vl = [x["val_loss_at_steps"] for x in rs if x.get("val_loss_at_steps") is not None]
+        lines.append(f"| {label} | {pts([x['accuracy_at_steps'] for x in rs])} | "
+                     f"{paired(rs, 'accuracy_vs_gloo_points')} | {pts([x['accuracy_window'] for x in rs])} | "
+                     f"{paired(rs, 'accuracy_window_vs_gloo_points')} | "
+                     f"{'-' if not vl else format(statistics.fmean(vl), '.4f')} |")
     return "\n".join(lines)
 
 
@@ -529,11 +594,20 @@ def main(argv: list[str] | None = None) -> int:
         for r in failed:
             print(f"{r['label']}: failed: {r['error'][-300:]}")
         results.append({"meta": meta, "summary": summary, "rows": rows, "failed": failed})
+    _print_seeds(results)
     if a.json:
         Path(a.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1))
     if a.plot:
         plot(results, a.plot)
     return 0 if all(not r["failed"] for r in results) else 1
+
+
+def _print_seeds(results: list[dict[str, Any]]) -> None:
+    text = seeds_table(sorted(results, key=lambda r: r["meta"]["seed"]))
+    if text:
+        print(f"\nover seeds (windowed accuracy: the mean of the last {ACCURACY_WINDOW} evaluations to each run's "
+              "--steps; the standard error is the seeds' spread of the paired difference / sqrt(seeds))")
+        print(text)
 
 
 #: what two results must share for their rows to stand in one table
@@ -593,6 +667,7 @@ def report_files(a) -> int:
               if "machine" in meta else f"{meta['task']}, {meta['nodes']} nodes, {meta['rate']}, {steps} steps, seed {meta['seed']}")
         print(table(g["rows"], summary, steps))
         results.append({"meta": meta, "summary": summary, "rows": g["rows"], "failed": []})
+    _print_seeds(results)
     if a.json:
         Path(a.json).write_text(json.dumps(results if len(results) > 1 else results[0], indent=1))
     if a.plot:
