@@ -52,6 +52,7 @@ from birdnet.daemon.transport import RoundTransport
 from birdnet.config import Settings
 from birdnet.errors import (
     BirdnetError,
+    CodecError,
     InputError,
     PeerLostError,
     ProcessLostError,
@@ -177,6 +178,10 @@ class RingWorker(threading.Thread):
                 t = self.ledger.tombstone(item.key)
                 if t is not None:
                     self._finish(item, rebuild(t.error_class, t.message))
+                elif item.kind != "reset" and item.error is None:
+                    diverged = self.runner.states.divergence(item.job)
+                    if diverged is not None:  # failed in its description: every node fails it
+                        item.error = CodecError(diverged)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -814,8 +819,11 @@ class RingWorker(threading.Thread):
         # this thread applies the change before it runs any later round. Its finite check is a pass
         # over each state array; before the release, it ran on every node at once (all are released
         # by the count within a few hops) and held back every node's result.
-        try:
-            self.runner.commit(rnd)
-        except Exception:  # noqa: BLE001 - the result is out; the next round must still run
-            log.exception("round %s: its codec-state change failed on this node", rnd.key)
+        # A failure here marks the job's state diverged (RoundRunner.commit_released): its next
+        # rounds fail on every node, loudly, instead of running with a state only this node has.
+        diverged = self.runner.commit_released(rnd, self.rank)
+        for k in self.order if diverged is not None else ():
+            other = self.ready[k]
+            if other.job == rnd.job and other.kind != "reset" and other.error is None:
+                other.error = CodecError(diverged)  # fails in its description, on every node
         return None
