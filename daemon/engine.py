@@ -36,7 +36,7 @@ from birdnet.daemon.agreement import description, verdicts_of_start
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, MembershipStrategy, RoundRetry
-from birdnet.daemon.rounds import Phase, Round
+from birdnet.daemon.rounds import Phase, Round, Step
 from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importable from here as before
     AGREED,
     CodecState,
@@ -63,7 +63,7 @@ from birdnet.errors import (
     rebuild,
     with_message,
 )
-from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_go
+from birdnet.messages import Abort, Start, Verdict, extend_batch, record_of
 from birdnet.osutil import name_os_thread
 from birdnet.ring.transport import MemoryRing
 from birdnet.wire import round_key, split_key
@@ -121,10 +121,11 @@ class RingWorker(threading.Thread):
         self.commits = "commit" in getattr(membership, "message_types", ()) and hasattr(net, "commits")
         #: a round that settled its commit among the surviving nodes (settlement hook, _open_lane)
         self.settled_at: str | None = None
-        #: the main loop's handlers of control messages between rounds (a ``lane`` message is
-        #: handled as PeerNet.poll receives it, DenseLane.on_message; data between rounds is stale)
-        self._handlers: dict[str, Callable[[dict[str, Any]], bool]] = {
-            "start": self.handle_start, "abort": self.handle_abort}
+        #: the main loop's handlers of control messages between rounds, by record type (a ``lane``
+        #: message is handled as PeerNet.poll receives it, DenseLane.on_message; data between rounds
+        #: is stale); a round's messages go to its Round (rounds.py)
+        self._handlers: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
+            Start: self.handle_start, Abort: self.handle_abort}
 
     @property
     def lane_rounds(self) -> int:
@@ -350,7 +351,7 @@ class RingWorker(threading.Thread):
         transport = RoundTransport(self.net, rnd.key, self.lane.since, lane=True)
         self.lane.running = rnd.key
         try:
-            failed = self._data_phase(rnd, transport, None)
+            failed = self._data_phase(rnd, transport)
         except LaneGivenUp:
             # nothing of the round was written here (see the module docstring): run it once agreed
             transport.round.phase = Phase.GIVEN_UP
@@ -434,33 +435,34 @@ class RingWorker(threading.Thread):
                 self._expire_unstarted()
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
-            handler = self._handlers.get(msg["h"].get("t")) if msg is not None else None
-            followed = handler(msg) if handler is not None else False
+            rec = record_of(msg) if msg is not None else None
+            handler = self._handlers.get(type(rec))
+            followed = handler(rec, msg) if handler is not None else False
             if not followed and leader is not None and leader != self.rank and self.order:
                 m.waiting_for_start(self.order[0], leader)
                 if isinstance(m, FixedRing):
                     self._repeat_aborts()
 
     # -- control messages between rounds, by type (as the service's main loop dispatches clients') --
-    def handle_start(self, msg: dict[str, Any]) -> bool:
+    def handle_start(self, st: Start, msg: dict[str, Any]) -> bool:
         """A leader's ``start``: follow it (True). Only followers act on one; the leader's own
         starts come back inside _lead."""
-        h = msg["h"]
-        if not self.membership.follows(h):
+        if not self.membership.follows(st.header):
             return False
-        self._follow_guarded(self._follow, msg, h.get("k"))
+        self._follow_guarded(st, msg.get("from"))
         return True
 
-    def handle_abort(self, msg: dict[str, Any]) -> bool:
+    def handle_abort(self, a: Abort, msg: dict[str, Any]) -> bool:
         """An ``abort`` of a round this node is not running: remembered and passed on."""
-        self._on_abort_elsewhere(Abort.from_header(msg["h"]))
+        self._on_abort_elsewhere(a)
         return False
 
-    def _follow_guarded(self, follow: Callable[[Any], None], msg: Any, key: Any) -> None:
-        """A follower's part of round ``key``; whatever goes wrong in it fails that round here only
-        (e.g. the right neighbour is not connected), never the ring thread."""
+    def _follow_guarded(self, st: Start, sender: int | None) -> None:
+        """A follower's part of round ``st.key``; whatever goes wrong in it fails that round here
+        only (e.g. the right neighbour is not connected), never the ring thread."""
+        key = st.key
         try:
-            follow(msg["h"], msg.get("from"))
+            self._follow(st, sender)
         except Exception as exc:  # noqa: BLE001
             if not isinstance(exc, BirdnetError):
                 log.exception("round %r failed inside a follower", key)
@@ -482,11 +484,12 @@ class RingWorker(threading.Thread):
                     f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
                     "node did not submit it"))
 
-    def _wait_control(self, want: str, rd: Round) -> dict:
-        """Wait until ``rd.deadline`` for a control message ``want`` of round ``rd`` from the member
-        before this node on its ring."""
+    def _wait_control(self, want: str, rd: Round) -> Any:
+        """Wait until ``rd.deadline`` for the control message ``want`` of round ``rd`` from the member
+        before this node on its ring (its record: the leader's start back, or the go)."""
         net = self.net
         key, deadline, ring, since = rd.key, rd.deadline, rd.ring, rd.since
+        rd.phase = Phase.AGREEING  # what the round takes now (Round.handle)
         while True:
             self._take_inbox()
             why = ring.gone(net, since)
@@ -503,25 +506,15 @@ class RingWorker(threading.Thread):
             if err is not None:
                 raise err
             msg = net.poll(0.05)
-            if msg is None or not ring.accepts(msg):
-                continue
-            h = msg["h"]
-            a = Abort.from_header(h) if h.get("t") == "abort" else None
-            if a is not None and a.key == key:
-                if a.retry:
-                    raise RoundRetry(a.reason)
-                raise RoundAborted.of(a)
-            if not ring.from_left(msg):
-                continue
-            if h.get("t") == want and h.get("k") == key:
+            step = rd.handle(msg) if msg is not None else Step.STALE  # raises on this round's abort
+            if step is Step.TAKE:
                 err = ring.gap_error(net, key, want)  # what was lost may have been this round's
                 if err is not None:
                     raise err
-                return h
-            if a is not None and a.origin is not None:
-                self._on_abort_elsewhere(a)  # another round
-                continue
-            if h.get("t") == "start" and want == "go" and self.membership.follows(h):
+                return record_of(msg)
+            if step is Step.ELSEWHERE:
+                self._on_abort_elsewhere(record_of(msg))  # another round
+            elif step is Step.FOLLOW and self.membership.follows(record_of(msg).header):
                 self.pending_start = msg  # the leader moved on (or started again)
                 raise self.membership.on_new_start(key)
             # anything else is stale (an earlier, failed round)
@@ -580,15 +573,15 @@ class RingWorker(threading.Thread):
             net.poll(0.05)
             return
         key = rnd.key
-        rd = Round(key, ring, net.neighbour_restarts, rnd.ready_at + self.settings.round_timeout)
+        rd = Round(key, ring, net.neighbour_restarts, rnd.ready_at + self.settings.round_timeout, leading=True)
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         lane = None
         try:
             ring.send(net, {"t": "start", "k": key, **ring.fields, "descs": [[self.rank, description(self.rank, rnd)]],
                             "more": [[k, [[self.rank, description(self.rank, self.ready[k])]]] for k in extras]})
             rd.phase = Phase.AGREEING
-            h = self._wait_control("start", rd)
-            verdicts = verdicts_of_start(h, key, [k for k in extras if k in self.ready], ring)
+            back = self._wait_control("start", rd)
+            verdicts = verdicts_of_start(back.header, key, [k for k in extras if k in self.ready], ring)
             rd.verdict = verdicts[0]
             go = {"t": "go", **ring.fields, **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
             lane = self.lane.grant(verdicts)
@@ -632,22 +625,18 @@ class RingWorker(threading.Thread):
                 self._abort(v.key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
                 self._finish(rnd, with_message(failed, f"an earlier round of the same batch failed: {failed}"))
             else:
-                counts = list(v.counts)
-                self.membership.note_contributors(rnd, counts, agreed.ring)
+                self.membership.note_contributors(rnd, list(v.counts), agreed.ring)
                 rd = Round(v.key, agreed.ring, agreed.since, phase=Phase.RUNNING, verdict=v)
-                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, round=rd), counts)
+                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, round=rd))
         agreed.phase = Phase.DONE if all_ok and failed is None else Phase.FAILED
         return all_ok and failed is None
 
-    def _follow(self, h: dict[str, Any], sender: int | None = None) -> None:
-        """A follower's part of the agreement the leader's ``start`` ``h`` (from rank ``sender``)
+    def _follow(self, st: Start, sender: int | None = None) -> None:
+        """A follower's part of the agreement the leader's start ``st`` (from rank ``sender``)
         began: its description once its processes submitted the round, then the leader's ``go``."""
-        key = h.get("k")
-        descs = h.get("descs")
-        if not isinstance(key, str) or not isinstance(descs, list):
-            return
+        key, descs = st.key, list(st.descs)
         m, net = self.membership, self.net
-        ring = m.ring_of_start(h, sender)
+        ring = m.ring_of_start(st.header, sender)
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
@@ -689,29 +678,26 @@ class RingWorker(threading.Thread):
                 self._pass_go(rd)
                 return
             msg = net.poll(0.02)
-            if msg is None or not ring.from_left(msg):
-                continue
-            mh = msg["h"]
-            if mh.get("t") == "abort" and mh.get("k") == key:
-                a = Abort.from_header(mh)
-                if a is not None and a.origin is not None:
-                    # remembered, so the round fails at once when this node's processes submit it
-                    self._on_abort_elsewhere(a)
-                elif a is not None:
-                    self._abort(key, a.reason, retry=a.retry)  # an elastic abort: on along the ring
+            step = rd.handle(msg) if msg is not None else Step.STALE
+            if step is Step.ABORTED:
+                # remembered, so the round fails at once when this node's processes submit it
+                self._on_abort_elsewhere(record_of(msg))
                 return
-            if mh.get("t") == "start" and mh.get("k") != key:
-                # the leader moved on (it abandoned this round): follow the newer one
-                self.pending_start = msg
+            if step is Step.PASS_ON:
+                a = record_of(msg)
+                self._abort(key, a.reason, retry=a.retry)  # an elastic abort: on along the ring
+                return
+            if step is Step.FOLLOW:
+                self.pending_start = msg  # the leader moved on (it abandoned this round)
                 return
         rnd = self.ready[key]
         descs.append([self.rank, description(self.rank, rnd)])
-        kept = extend_batch(h.get("more"), self.ready, lambda k: [self.rank, description(self.rank, self.ready[k])])
+        kept = extend_batch(st.more, self.ready, lambda k: [self.rank, description(self.rank, self.ready[k])])
         ring.send(net, {**start, "descs": descs, "more": kept})
         try:
             g = self._wait_control("go", rd.wait_until(rnd.ready_at + self.settings.round_wait_timeout,
                                                        Phase.AGREEING))
-            if not ring.matches_go(g):
+            if not ring.matches_go(g.header):
                 raise ProtocolError(f"round {key}: the go message does not match its start")
         except (BirdnetError, RoundRetry) as exc:
             if m.retries(exc):
@@ -724,22 +710,19 @@ class RingWorker(threading.Thread):
             return
         if ring.right_rank != ring.leader:
             try:
-                ring.send(net, g)
+                ring.send(net, g.header)
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        self._applied(ring, g)
-        verdicts = verdicts_of_go(g, key, ring.world, self.ready)
+        self._applied(ring, g.header)
+        verdicts = g.verdicts(ring.world, self.ready)
         rd.verdict = verdicts[0]
-        lane = g.get("lane")
-        if not (self.lane.allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
-                and is_int(lane[1])):
-            lane = None
+        lane = g.lane if self.lane.allowed else None
         if lane is not None:
             self.lane.expect(lane[0], lane[1])  # before the batch runs: see DenseLane.expect
         self._granted(self._run_batch(verdicts, rd), lane)
 
-    def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
+    def _granted(self, batch_ok: bool, lane: Any) -> None:
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
         self.lane.closed_at = None
         if lane is not None and batch_ok:
@@ -767,14 +750,16 @@ class RingWorker(threading.Thread):
         finally:
             rd.phase = Phase.FAILED  # this node's part of the round was an error description
         if rd.ring.right_rank != rd.ring.leader:
-            rd.ring.send(self.net, g)
+            rd.ring.send(self.net, g.header)
 
-    def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
-        """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already
-        reported) or None. A lane round given up raises LaneGivenUp (RingWorker._run_lane)."""
-        if hasattr(transport, "on_other_abort"):
-            transport.on_other_abort = self._on_abort_elsewhere
+    def _data_phase(self, rnd: LocalRound, transport) -> BirdnetError | None:
+        """Run one round (agreed: its round's verdict has the counts; a lane round has none);
+        returns its error (already reported) or None. A lane round given up raises LaneGivenUp
+        (RingWorker._run_lane)."""
         rd: Round | None = getattr(transport, "round", None)
+        if rd is not None:
+            rd.on_other_abort = self._on_abort_elsewhere
+        counts = rd.counts if rd is not None else None
         if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
             settle.book_of(self.net).started(rnd.key)
         try:

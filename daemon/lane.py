@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from birdnet.codecs import Pattern, get_codec
 from birdnet.errors import BirdnetError
-from birdnet.messages import Verdict
+from birdnet.messages import LaneClose, Verdict
 from birdnet.wire import round_key, split_key
 
 if TYPE_CHECKING:
@@ -103,15 +103,15 @@ class DenseLane:
         except BirdnetError:
             pass  # the right neighbour is lost: its rounds fail by that
 
-    def on_message(self, h: dict[str, Any]) -> None:
+    def on_message(self, rec: LaneClose) -> None:
         """A ``lane`` message, as PeerNet.poll receives it. The leader closed the lane: no round
         starts here without an agreement until a ``go`` opens it again; pass it on. A request to
         close it (``req``) travels to the leader, which closes the lane if it has not joined the
         round yet (if it has, its RoundTransport fails the round: a node will not join it)."""
-        if h.get("req"):
+        if rec.request:
             if self.rank != 0:
                 try:
-                    self.net.send({"t": "lane", "k": h.get("k"), "req": h.get("req")})
+                    self.net.send({"t": "lane", "k": rec.key, "req": rec.request})
                 except BirdnetError:
                     pass
             elif self.at is not None and self.running is None:
@@ -120,10 +120,10 @@ class DenseLane:
         self.close()
         # it may name the round after the one this node is still running in the lane: that round
         # must not reopen the lane when it completes
-        self.closed_at = h.get("k")
+        self.closed_at = rec.key
         if self.rank != self.world - 1:
             try:
-                self.net.send({"t": "lane", "k": h.get("k")})
+                self.net.send({"t": "lane", "k": rec.key})
             except BirdnetError:
                 pass  # the right neighbour is lost: its rounds fail by that
 

@@ -72,6 +72,7 @@ from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
 from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundAborted
 from birdnet.hosts import Peer
+from birdnet.messages import Data, LaneClose, peer_record
 from birdnet.osutil import release_freed_memory
 
 #: what other modules and tests import from here (the module was one file before the split)
@@ -133,6 +134,8 @@ class PeerNet:
         self.left_reports: set[int] = set()
         self.last_ping = 0.0
         self.dropped = 0
+        #: messages dropped because a field of theirs failed their record's checks (messages.peer_record)
+        self.malformed = 0
         #: messages from connections not accepted yet, until their first ping (handshake.py)
         self.held = HeldMessages(settings.peer_timeout, self._drop)
         #: round key -> the highest ``commit`` count from the left not yet taken by its round
@@ -485,16 +488,18 @@ class PeerNet:
 
     def poll(self, timeout: float, data: bool = False) -> dict | None:
         """Wait up to ``timeout`` s for one message that matters to the caller (start, go, abort,
-        data, lane) and return ``{"h": header, "b": buffers}``; pings, pongs and garbage are handled
-        here, and a lane round's data that came before this node runs the round is kept for it.
+        data, lane, commit) and return ``{"h": header, "b": buffers, "r": its record, "from": rank}``
+        (the record: birdnet.messages, checked once where it was received); pings, pongs and garbage
+        are handled here, and a lane round's data that came before this node runs the round is kept
+        for it.
         ``data``: the caller is a round's data phase (RoundTransport), which waits on the peer
         sockets only and looks at the socket monitors and the service's wake-up less often."""
         msg = self._poll_once(timeout, data)
         if msg is None:
             return None
-        h = msg["h"]
-        if h.get("t") == "data" and h.get("ln"):
-            k = h.get("k")
+        rec = msg["r"]
+        if type(rec) is Data and rec.lane:
+            k = rec.key
             if k != self.reading:
                 nbytes = sum(b.nbytes for b in msg["b"])
                 if k in self.lane_keys and self._early_bytes + nbytes <= self.settings.max_message_bytes:
@@ -506,8 +511,8 @@ class PeerNet:
                 # Return rather than wait on: the same poll may have taken the service thread's
                 # wake-up (a round handed over), which the caller must see now, not a poll later.
                 return None
-        elif h.get("t") == "lane" and self.on_lane is not None:
-            self.on_lane(h)
+        elif type(rec) is LaneClose and self.on_lane is not None:
+            self.on_lane(rec)
         return msg
 
     def _poll_once(self, timeout: float, data: bool = False) -> dict | None:
@@ -598,9 +603,10 @@ class PeerNet:
         self.info[r] = {"ep": ep if isinstance(ep, int) and not isinstance(ep, bool) and ep >= 0 else 0,
                         "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
 
-    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any] | None:
-        """The next message on the ROUTER as (identity, header, buffers, header frame); None when
-        there is none, or it was a ping (answered here) or garbage (dropped, the sender told)."""
+    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any, Any] | None:
+        """The next message on the ROUTER as (identity, header, buffers, header frame, record); None
+        when there is none, or it was a ping (answered here) or garbage (dropped, the sender told;
+        a header whose fields fail its record's checks is dropped and counted in ``malformed``)."""
         try:
             frames = recv_frames(self.router)
         except zmq.Again:
@@ -630,7 +636,12 @@ class PeerNet:
         if t not in self.message_types:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
-        return identity, header, bufs, frames[1]
+        rec = peer_record(header)
+        if rec is None:
+            self.malformed += 1
+            self._drop(f"malformed {t!r} message from {identity[:40]!r} ({self.malformed} malformed so far)")
+            return None
+        return identity, header, bufs, frames[1], rec
 
     def _check_numbering(self, identity: bytes, header: dict[str, Any]) -> None:
         """Notice messages from an accepted sender that never arrived (see ``sent_q_to``)."""
@@ -664,25 +675,26 @@ class PeerNet:
         got = self._decode_router()
         if got is None:
             return None
-        identity, header, bufs, first = got
+        identity, header, bufs, first, rec = got
         r = self.identities.get(identity)
         if r is None:
-            self._not_accepted(identity, header, bufs, first, "the peer")
+            self._not_accepted(identity, header, bufs, first, "the peer", rec)
             return None
         self.seen[r] = time.monotonic()
         if r == self.left.rank:
             self.left_seen = self.seen[r]
-        return {"h": header, "b": bufs, "from": r}
+        return {"h": header, "b": bufs, "from": r, "r": rec}
 
     def _not_accepted(self, identity: bytes, header: dict[str, Any], bufs: list[memoryview], first: Any,
-                      whose: str) -> None:
+                      whose: str, rec: Any) -> None:
         """A message from a connection not accepted (yet): dropped if it is an earlier incarnation of
         ``whose``, else held until its first ping (a queue that overtook the handshake)."""
         if identity in self._replaced:
             self._drop(f"{header['t']!r} message from {identity[:40]!r}, an earlier incarnation of {whose}")
         else:
             who = self._peer_of_connection(first) if self.curve is not None else None
-            self.held.hold(identity, who, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
+            self.held.hold(identity, who, {"h": header, "b": bufs, "r": rec},
+                           len(first.bytes) + sum(b.nbytes for b in bufs))
 
     def _drop(self, why: str) -> None:
         self.dropped += 1

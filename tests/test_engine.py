@@ -8,6 +8,7 @@ from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateSt
 from birdnet.codecs import get_codec
 from birdnet.config import Settings
 from birdnet.errors import PeerLostError
+from birdnet.messages import Start
 from birdnet.ring.transport import MemoryRing
 
 
@@ -114,7 +115,7 @@ def _follow_barrier(net_class, go, key):
     ref.append(w)
     barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
     w.submit(barrier)
-    w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    w._follow(Start.from_header({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []}))
     return net, done, barrier
 
 

@@ -13,6 +13,7 @@ from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
 from birdnet.errors import PeerLostError
 from birdnet.hosts import Peer
+from birdnet.messages import Start
 
 
 def dealer_to(ctx: zmq.Context, peer: Peer, identity: bytes, socks: list) -> zmq.Socket:
@@ -63,7 +64,7 @@ def test_messages_queued_before_a_reconnected_neighbours_first_ping_are_delivere
     next ping; dropping it hung the round (test_daemon_restarted_while_clients_idle)."""
     net, settings, left = ring
     d = left(b"r1-new")
-    d.send_multipart(wire.encode({"t": "start", "k": "j/0", "n": 1}))
+    d.send_multipart(wire.encode({"t": "start", "k": "j/0", "n": 1, "descs": []}))
     d.send_multipart(wire.encode({"t": "go", "k": "j/0"}))
     assert collect(net, 0.3) == []  # not yet accepted: held, not delivered
     d.send_multipart(ping(settings, "new"))
@@ -88,11 +89,11 @@ def test_held_messages_expire_and_an_earlier_incarnations_are_dropped(ring):
     assert collect(net, 0.3) == [] and net.dropped == 1
     # a connection that never pings: its messages are held at most peer_timeout, then dropped
     stranger = left(b"r1-stranger")
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j/1"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/1", "descs": []}))
     collect(net, 0.2)
     assert net.held.by_identity
     time.sleep(settings.peer_timeout + 0.1)
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j/2"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/2", "descs": []}))
     collect(net, 0.2)
     assert [m[2]["h"]["k"] for m in net.held.by_identity[b"r1-stranger"]] == ["j/2"]
     assert net.dropped == 2
@@ -131,7 +132,7 @@ def test_messages_to_the_right_neighbour_are_numbered_pings_too(ring):
         right.bind(net.right.endpoint())
         net.send({"t": "data", "k": "j/0"})
         net._send_ping()
-        net.send({"t": "start", "k": "j/1"})
+        net.send({"t": "start", "k": "j/1", "descs": []})
         got = []
         poller = zmq.Poller()
         poller.register(right, zmq.POLLIN)
@@ -243,7 +244,7 @@ def test_elastic_messages_are_numbered_per_destination(elastic):
     net, settings, _, listen = elastic
     to1, to2 = listen(1), listen(2)
     net.send({"t": "data", "k": "j/0"}, to=1)
-    net.send({"t": "start", "k": "j/1"}, to=2)
+    net.send({"t": "start", "k": "j/1", "descs": []}, to=2)
     net._send_ping()  # one to every node
     net.send({"t": "go", "k": "j/1"}, to=1)
     assert [(h["t"], h["q"]) for h in received(to1, 3)] == [("data", 1), ("ping", 2), ("go", 3)]
@@ -359,7 +360,7 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
 
     def follow(key: str) -> threading.Thread:
         msg = start(key)
-        t = threading.Thread(target=w._follow, args=(msg["h"], msg["from"]), daemon=True)
+        t = threading.Thread(target=w._follow, args=(Start.from_header(msg["h"]), msg["from"]), daemon=True)
         t.start()
         return t
 
@@ -564,3 +565,19 @@ def test_a_round_whose_commit_never_comes_fails_and_an_abort_fails_it_at_once(co
     with pytest.raises(PeerLostError, match="node rank 1: lost peer"):
         RoundTransport(net, "j/8").await_commit(5.0)
     assert time.monotonic() - t < 1.0
+
+
+def test_a_malformed_control_message_is_dropped_counted_and_the_net_keeps_serving(ring):
+    """Headers that pass the wire's checks but not their record's (a commit count that is no count,
+    a start without descriptions) are dropped where they arrive and counted; the next good message
+    is delivered."""
+    net, settings, left = ring
+    d = left(b"r1-x")
+    d.send_multipart(ping(settings, "x"))
+    for h in ({"t": "commit", "k": "j/0", "c": "many"}, {"t": "start", "k": "j/0", "descs": 3},
+              {"t": "commit", "k": "j/0", "c": 0}):
+        d.send_multipart(wire.encode(h))
+    d.send_multipart(wire.encode({"t": "commit", "k": "j/0", "c": 1}))
+    got = collect(net, 0.5)
+    assert [h["t"] for h in got] == ["commit"] and got[0]["c"] == 1
+    assert net.malformed == 3
