@@ -4,18 +4,32 @@ needs live with its type and the round reads named fields instead of header keys
 listed once, in :data:`birdnet.wire.HEADER_KEYS`; ``c``, say, is :attr:`Abort.error_class` in an
 abort and :attr:`Commit.count` in a commit).
 
-==========  ===================  ==================================================================
-kind        record               fields checked once here (anything else: the message is dropped)
-==========  ===================  ==================================================================
-``start``   :class:`Start`       ``k`` a str, ``descs`` a list (``more``: a list, else empty)
-``go``      :class:`Go`          ``k`` a str; its verdicts are checked against the ring
-                                 (:func:`verdicts_of_go`), its ``lane`` here: ``[str, int]`` or none
-``abort``   :class:`Abort`       ``k`` a str or absent; ``o`` an int, ``c`` an error class name
-``lane``    :class:`LaneClose`   ``k`` a str, ``req`` text or absent
-``commit``  :class:`Commit`      ``k`` a str, ``c`` an int in [1, COUNT_LIMIT)
-``data``    :class:`Data`        ``k`` a str (a NamedTuple: built for every chunk of a round, it
-                                 must cost no more than reading two keys)
-==========  ===================  ==================================================================
+==========  ==============  ===========  ===================================================================
+kind        direction       record       meaning; fields checked once here (else: the message is dropped)
+==========  ==============  ===========  ===================================================================
+``ping``    left -> right   (handshake)  heartbeat and handshake (daemon/peers.py, daemon/handshake.py)
+``pong``    right -> left   (handshake)  the ping was accepted
+``refuse``  right -> left   (handshake)  the ping was refused; ``reason`` says what differs
+``start``   left -> right   Start        a round: the leader sends it, every node appends its round
+                                         description when its local processes are ready and passes it
+                                         on. ``k`` a str, ``descs`` a list (``more`` a list, else empty)
+``go``      left -> right   Go           the leader's verdict after the start came back (ok, or the
+                                         error). ``k`` a str; ``lane`` ``[str, int]`` or none; its
+                                         verdicts are checked against the ring (:func:`verdicts_of_go`)
+``abort``   left -> right   Abort        a node failed the round (lost peer, mismatch); passes the reason
+                                         on. ``k`` a str or absent; ``o`` an int, ``c`` an error class
+``data``    left -> right   Data         ring-algorithm messages of round ``k`` (``ln``: of a lane round,
+                                         one started without an agreement). ``k`` a str; a NamedTuple,
+                                         built for every chunk, that costs no more than reading two keys
+``lane``    left -> right   LaneClose    the leader closes the dense lane before round ``k``; with
+                                         ``req``, a node asks the leader to. ``k`` a str, ``req`` text
+``commit``  left -> right   Commit       ``c`` consecutive nodes ending with the sender hold round
+                                         ``k``'s result (RoundTransport.await_commit). ``c`` an int in
+                                         [1, COUNT_LIMIT)
+``settle``  any -> any      (settle.py)  a node whose commit cannot finish asks every other node what it
+                                         knows of round ``k``, on a connection of its own
+``settled`` reply           (settle.py)  the answer: ``st`` (released / aborted / holds / pending), ``kn``
+==========  ==============  ===========  ===================================================================
 
 A header from the network is never trusted: :func:`peer_record` returns None when a field has the
 wrong type (the peer layer drops the message and counts it) and never raises on bad input. The

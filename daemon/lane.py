@@ -25,6 +25,7 @@ leader's last close) and handles the ``lane`` messages; the ring worker runs the
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from birdnet.codecs import Pattern, get_codec
@@ -135,3 +136,46 @@ class DenseLane:
         if any(k is None for k in keys) or len({k[0] for k in keys}) != 1:
             return None
         return [keys[0][0], max(k[1] for k in keys) + 1]
+
+
+class EarlyLaneData:
+    """The data of lane rounds that came before this node runs them (a left neighbour that finished a
+    lane round goes on to the next at once), kept for their round; PeerNet owns one. Only the rounds
+    the lane may run next (``keys``, DenseLane.expect / open) are kept, within ``max_bytes`` in all (a
+    left neighbour is one round ahead at most)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.keys: tuple[str, ...] = ()
+        self._queues: dict[str, deque[dict]] = {}
+        self._bytes = 0
+
+    def set_keys(self, keys: tuple[str, ...]) -> None:
+        """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
+        self.keys = keys
+        for k in [k for k in self._queues if k not in keys]:
+            self._bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._queues.pop(k))
+
+    def keep(self, key: str, msg: dict) -> str | None:
+        """Keep ``msg`` (data of lane round ``key``) for its round; why not when it is dropped instead
+        (over the bound), else None. Data of a round not in ``keys`` (given up, or never had) is
+        dropped in silence, like stale data."""
+        if key not in self.keys:
+            return None
+        nbytes = sum(b.nbytes for b in msg["b"])
+        if self._bytes + nbytes > self.max_bytes:
+            return f"early data of lane round {key!r}: over max_message_bytes kept"
+        self._queues.setdefault(key, deque()).append(msg)
+        self._bytes += nbytes
+        return None
+
+    def has(self, key: str) -> bool:
+        return bool(self._queues.get(key))
+
+    def take(self, key: str) -> dict | None:
+        q = self._queues.get(key)
+        if not q:
+            return None
+        msg = q.popleft()
+        self._bytes -= sum(b.nbytes for b in msg["b"])
+        return msg

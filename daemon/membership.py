@@ -295,9 +295,9 @@ class FixedRing:
         by its messages and pings, the right by its pongs)."""
         own: set[int] = set()
         grace = self.settings.peer_timeout
-        if now - max(net.left_seen, net.started) > grace:
+        if now - max(net.live.left_seen, net.live.started) > grace:
             own.add(net.left.rank)
-        if now - max(net.right_seen, net.started) > grace:
+        if now - max(net.live.right_seen, net.live.started) > grace:
             own.add(net.right.rank)
         return own
 

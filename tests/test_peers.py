@@ -368,7 +368,7 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     held("other", 2)
     # a daemon that has not been a member of an epoch yet (restarted) may get a start queued for its
     # previous life: its numbering is not the leader's, it keeps its rounds
-    w._overtaken("j/6", 1)
+    w.failures.overtaken("j/6", 1)
     assert "j/5" in w.ready and not finished
     m.epoch, m.members = 1, [0, 1, 2]
     t = follow("j/6")
@@ -386,15 +386,15 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     assert not t.is_alive()
     # a start of a held round itself (the leader retried it) fails nothing: only earlier rounds go
     held("j", 8)
-    w._overtaken("j/8", 1)
+    w.failures.overtaken("j/8", 1)
     assert "j/8" in w.ready and "j/8" not in finished
     # a joiner whose call numbers are not aligned with the cluster's yet keeps its rounds
     held("k", 3)
     m.join_epoch, m.aligned = 1, set()
-    w._overtaken("k/7", 1)
+    w.failures.overtaken("k/7", 1)
     assert "k/3" in w.ready and "k/3" not in finished
     m.aligned = {"k"}
-    w._overtaken("k/7", 1)
+    w.failures.overtaken("k/7", 1)
     assert isinstance(finished.get("k/3"), RoundAborted)
     assert "other/2" in w.ready and "j/8" in w.ready
 
@@ -478,7 +478,7 @@ def test_a_data_phase_waits_on_the_router_alone_and_still_reads_pongs(ring):
         assert pongs >= 5  # heartbeat_interval 0.1 s: pings kept going out during the data phase
         # read within DATA_FULL_POLL_INTERVAL (0.1 s) and a ping interval of the last pong sent
         assert peers_module.DATA_FULL_POLL_INTERVAL <= 0.1
-        assert time.monotonic() - net.right_seen < 0.35
+        assert time.monotonic() - net.live.right_seen < 0.35
         assert polls["data"] > 2 * polls["all"] > 0  # mostly the ROUTER alone, every socket now and then
         d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": 3}))
         tr = RoundTransport(net, "j/0")
