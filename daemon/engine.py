@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from birdnet.daemon import settle
 from birdnet.daemon.agreement import MAX_BATCH, description, verdicts_of_start  # noqa: F401 - MAX_BATCH as before
 from birdnet.daemon.failures import RoundFailures
 from birdnet.daemon.lane import DenseLane, lane_eligible
@@ -628,7 +627,7 @@ class RingWorker(threading.Thread):
             rd.on_other_abort = self.failures.on_abort_elsewhere
         counts = rd.counts if rd is not None else None
         if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
-            settle.book_of(self.net).started(rnd.key)
+            self.net.settle_book.started(rnd.key)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
@@ -645,7 +644,7 @@ class RingWorker(threading.Thread):
             if rd is not None:
                 rd.phase = Phase.FAILED
             if self.commits:  # settlement hook (daemon/settle.py): askers learn this node failed it
-                settle.book_of(self.net).aborted(rnd.key)
+                self.net.settle_book.aborted(rnd.key)
             self.failures.report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
@@ -654,7 +653,7 @@ class RingWorker(threading.Thread):
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
             if self.commits:  # settlement hook (daemon/settle.py), as above
-                settle.book_of(self.net).aborted(rnd.key)
+                self.net.settle_book.aborted(rnd.key)
             self.failures.abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
             if rd is not None:
                 rd.phase = Phase.FAILED

@@ -108,6 +108,9 @@ class PeerNet:
         #: round key -> the highest ``commit`` count from the left not yet taken by its round
         #: (RoundTransport.await_commit); bounded by transport.MAX_COMMITS_KEPT
         self.commits: dict[str, int] = {}
+        #: what this node tells a node that settles a round with it (daemon/settle.py): the rounds it
+        #: released, aborted or holds, and the commit counts above
+        self.settle_book = settle.SettleBook(rank, self.world, lambda k: self.commits.get(k, 0))
         #: (rank, header) of the last commit counts sent, sent again after a queue drop (_count_ping)
         self.recent_commits: deque[tuple[int, dict[str, Any]]] = deque(maxlen=4)
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held

@@ -170,7 +170,7 @@ class RoundTransport:
         if need < 1:
             return
         net, nb, key = self.net, self.neighbours, self.key
-        book = settle.book_of(net)  # settlement (daemon/settle.py): what this node tells askers
+        book = net.settle_book  # settlement (daemon/settle.py): what this node tells askers
         book.holding(key)
         deadline = time.monotonic() + timeout
         sent = 0
@@ -251,7 +251,7 @@ class RoundTransport:
         ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
         wait for the count release too (or, asked already, settle and find this node's release)."""
         net, key = self.net, self.key
-        book = settle.book_of(net)
+        book = net.settle_book
         commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
         if restarted:
             self.settled_after_restart = f"{cause}: {why}"
