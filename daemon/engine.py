@@ -397,6 +397,7 @@ class RingWorker(threading.Thread):
         net = self.net
         key, deadline, ring, since = rd.key, rd.deadline, rd.ring, rd.since
         rd.phase = Phase.AGREEING  # what the round takes now (Round.handle)
+        rd.leading = want == "start"  # the leader waits for its start to come back, a follower for the go
         while True:
             self._take_inbox()
             why = ring.gone(net, since)
