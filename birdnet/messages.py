@@ -274,6 +274,8 @@ class Data(NamedTuple):
         return cls(key, bool(h.get("ln"))) if isinstance(key, str) else None
 
 
+_new_tuple = tuple.__new__
+
 #: a peer message's kind -> its record's constructor (ping, pong, refuse, settle and settled are
 #: the peer layer's own: handshake.py and settle.py check them where they are answered)
 RECORDS: dict[str, Callable[[dict[str, Any]], Any]] = {
@@ -284,7 +286,13 @@ def peer_record(h: dict[str, Any]) -> Any:
     """The record of a received peer header, or None when its kind has none or a field is malformed.
     Never raises: a header from the network that breaks a check is the sender's fault, not this
     node's (the caller drops it and counts it)."""
-    make = RECORDS.get(h.get("t")) if isinstance(h, dict) else None
+    if type(h) is not dict:
+        return None
+    t = h.get("t")
+    if t == "data":  # every chunk of a round: built without a call to the class
+        k = h.get("k")
+        return _new_tuple(Data, (k, bool(h.get("ln")))) if type(k) is str else None
+    make = RECORDS.get(t)
     if make is None:
         return None
     try:

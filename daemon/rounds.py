@@ -129,7 +129,11 @@ class Round:
         round now; raises the error that ends the round here."""
         if not self.ring.accepts(msg):
             return Step.STALE  # a node outside the round's ring (elastic mode)
-        rec = record_of(msg)
+        rec = msg.get("r")
+        if rec is None:
+            rec = record_of(msg)
+        if type(rec) is Data:  # every chunk of a round: no table lookup
+            return self.handle_data(rec, msg)
         handler = _HANDLERS.get(type(rec))
         return Step.STALE if handler is None else handler(self, rec, msg)
 
