@@ -61,7 +61,7 @@ from birdnet.errors import (
     rebuild,
     with_message,
 )
-from birdnet.messages import Abort, Start, Verdict, extend_batch, record_of
+from birdnet.messages import Abort, Go, Start, Verdict, extend_batch, record_of
 from birdnet.osutil import name_os_thread
 from birdnet.ring.transport import MemoryRing
 from birdnet.wire import round_key, split_key
@@ -208,7 +208,7 @@ class RingWorker(threading.Thread):
             self.ready[rnd.key] = self.ready.pop(old)
             self.order[self.order.index(old)] = rnd.key
 
-    def _applied(self, ring: Any, go: dict[str, Any] | None) -> None:
+    def _applied(self, ring: Any, go: Go | None) -> None:
         """An agreement passed: its membership becomes this node's; a new epoch starts every member
         from empty codec state."""
         if self.membership.applied(ring, go):
@@ -367,7 +367,7 @@ class RingWorker(threading.Thread):
     def handle_start(self, st: Start, msg: dict[str, Any]) -> bool:
         """A leader's ``start``: follow it (True). Only followers act on one; the leader's own
         starts come back inside _lead."""
-        if not self.membership.follows(st.header):
+        if not self.membership.follows(st):
             return False
         self._follow_guarded(st, msg.get("from"))
         return True
@@ -422,7 +422,7 @@ class RingWorker(threading.Thread):
                 return record_of(msg)
             if step is Step.ELSEWHERE:
                 self.failures.on_abort_elsewhere(record_of(msg))  # another round
-            elif step is Step.FOLLOW and self.membership.follows(record_of(msg).header):
+            elif step is Step.FOLLOW and self.membership.follows(record_of(msg)):
                 self.pending_start = msg  # the leader moved on (or started again)
                 raise self.membership.on_new_start(key)
             # anything else is stale (an earlier, failed round)
@@ -503,7 +503,7 @@ class RingWorker(threading.Thread):
         began: its description once its processes submitted the round, then the leader's ``go``."""
         key, descs = st.key, list(st.descs)
         m, net = self.membership, self.net
-        ring = m.ring_of_start(st.header, sender)
+        ring = m.ring_of_start(st, sender)
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
@@ -564,7 +564,7 @@ class RingWorker(threading.Thread):
         try:
             g = self._wait_control("go", rd.wait_until(rnd.ready_at + self.settings.round_wait_timeout,
                                                        Phase.AGREEING))
-            if not ring.matches_go(g.header):
+            if not ring.matches_go(g):
                 raise ProtocolError(f"round {key}: the go message does not match its start")
         except (BirdnetError, RoundRetry) as exc:
             if m.retries(exc):
@@ -581,7 +581,7 @@ class RingWorker(threading.Thread):
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
-        self._applied(ring, g.header)
+        self._applied(ring, g)
         verdicts = g.verdicts(ring.world, self.ready)
         rd.verdict = verdicts[0]
         lane = g.lane if self.lane.allowed else None
