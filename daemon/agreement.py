@@ -1,6 +1,13 @@
 """The start/go agreement's decisions, with no sockets: what a node contributes to a ``start``
 (its description of a round) and the leader's verdicts on the descriptions that came back round
 the ring (the ring worker sends and waits; daemon/engine.py).
+
+Across nodes, the order of rounds is the leader's (rank 0 on the fixed ring): it sends a ``start``
+naming the round; each node appends its description once its own processes are ready and passes it
+on; when the start is back, the leader compares the descriptions and sends ``go`` with its verdict.
+Every node therefore runs the same rounds in the same order, and a disagreement (shape, codec, a
+process that never came) fails the round everywhere with one message instead of hanging. One
+exchange agrees up to ``MAX_BATCH`` rounds (each follower keeps the prefix ready on its node).
 """
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ from birdnet.daemon.runner import AGREED, LocalRound
 
 from birdnet.errors import ProtocolError
 from birdnet.messages import COUNT_LIMIT, Verdict, is_int
+
+#: rounds agreed in one start/go exchange at most (a training step's tensors, typically)
+MAX_BATCH = 32
 
 
 def description(rank: int, rnd: LocalRound) -> dict[str, Any]:

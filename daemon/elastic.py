@@ -47,7 +47,7 @@ from birdnet.daemon.membership import Liveness, Overtaken, RingNeighbours, Round
 
 from birdnet import wire
 from birdnet.errors import PeerLostError, RoundAborted
-from birdnet.messages import Abort, Membership, is_int
+from birdnet.messages import Abort, Go, Membership, Start, is_int
 
 log = logging.getLogger("birdnet.elastic")
 
@@ -185,8 +185,8 @@ class ElasticRing:
         admitted again)."""
         return all(self._epoch_of(r) <= self.epoch for r in self.heard)
 
-    def follows(self, h: dict[str, Any]) -> bool:
-        return h.get("L") != self.rank
+    def follows(self, st: Start) -> bool:
+        return st.leader != self.rank
 
     def on_new_start(self, key: str) -> BaseException:
         """The error of an agreement waiting for ``go`` when the leader started again."""
@@ -218,9 +218,10 @@ class ElasticRing:
         self.current = RingNeighbours(self.net, ring, self.rank, member.fields())
         return self.current
 
-    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> RingNeighbours | None:
+    def ring_of_start(self, st: Start, sender: int | None) -> RingNeighbours | None:
         """The ring a start names, if this node is in it, the epoch is not older than its own and the
         start came from the member before it; a joiner notes the epoch it is admitted in."""
+        h = st.header  # the membership fields are checked here: their bounds are this ring's world
         m = Membership.from_header(h, self.world)
         if (m is None or self.rank not in m.ring or m.epoch < self.epoch
                 or sender != m.ring[m.ring.index(self.rank) - 1]):
@@ -251,13 +252,13 @@ class ElasticRing:
     def send_abort(self, abort: Abort) -> None:
         self.net.send(abort.header(), to=self.next_rank)
 
-    def applied(self, ring: RingNeighbours, go: dict[str, Any] | None) -> bool:
+    def applied(self, ring: RingNeighbours, go: Go | None) -> bool:
         """The membership of an agreement that passed becomes this node's (the leader's when it sent
         the go, a follower's when the go passed). True when its epoch is new: every member then
         starts it from the same (empty) codec state, so results stay bit-identical."""
         f = ring.fields
         ep, members, leader = f["ep"], list(f["S"]), f["L"]
-        incs = f.get("I") if go is None else go.get("I")
+        incs = f.get("I") if go is None else go.header.get("I")
         new_epoch = ep != self.epoch
         if new_epoch:
             log.info("membership epoch %d: ring %s, leader rank %d (codec states dropped)", ep, members, leader)

@@ -1,17 +1,16 @@
 """The ring worker: the one thread that owns the peer sockets and runs rounds, one at a time.
 
 The data phase of a round runs in daemon/runner.py (a core without sockets); this module schedules
-rounds: their agreement, batches, aborts and the dense lane's rounds, on the worker's one thread.
+rounds: their agreement, batches and the dense lane's rounds, on the worker's one thread. What a
+peer message does to a round in each phase is the round's state machine (daemon/rounds.py); how a
+failure travels the ring (aborts, departures, rounds a lost peer fails) is daemon/failures.py.
 One RingWorker runs both rings: who is in a round, who leads, what travels on
 start / go, liveness and joins are its membership (daemon/membership.py: FixedRing;
 daemon/elastic.py: ElasticRing).
 
 Rounds reach it from the service thread once every local process of the job has submitted
-(:class:`LocalRound`). Across nodes, the order of rounds is the leader's (rank 0 on the fixed
-ring): it sends a ``start`` naming the round; each node appends its description once its own
-processes are ready and passes it on; when the start is back, the leader compares the descriptions
-and sends ``go`` with its verdict. Every node therefore runs the same rounds in the same order, and a disagreement (shape,
-codec, a process that never came) fails the round everywhere with one message instead of hanging.
+(:class:`LocalRound`); across nodes the leader orders them with a start/go agreement
+(daemon/agreement.py).
 
 The dense lane (daemon/lane.py): after an agreed round, the leader's ``go`` may let the job's next
 round start on every node without an agreement; the worker runs it in its main loop
@@ -31,12 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from birdnet.daemon import settle
-from birdnet.daemon.agreement import description, verdicts_of_start
+from birdnet.daemon.agreement import MAX_BATCH, description, verdicts_of_start  # noqa: F401 - MAX_BATCH as before
+from birdnet.daemon.failures import RoundFailures
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, MembershipStrategy, RoundRetry
-from birdnet.daemon.rounds import Phase, Round
+from birdnet.daemon.rounds import Phase, Round, Step
 from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importable from here as before
     AGREED,
     CodecState,
@@ -52,9 +51,9 @@ from birdnet.daemon.transport import RoundTransport
 from birdnet.config import Settings
 from birdnet.errors import (
     BirdnetError,
+    CodecError,
     InputError,
     PeerLostError,
-    ProcessLostError,
     ProtocolError,
     RoundAborted,
     RoundTimeoutError,
@@ -62,15 +61,12 @@ from birdnet.errors import (
     rebuild,
     with_message,
 )
-from birdnet.messages import Abort, Verdict, extend_batch, is_int, verdicts_of_go
+from birdnet.messages import Abort, Go, Start, Verdict, extend_batch, record_of
 from birdnet.osutil import name_os_thread
 from birdnet.ring.transport import MemoryRing
 from birdnet.wire import round_key, split_key
 
 log = logging.getLogger("birdnet.engine")
-
-#: rounds agreed in one start/go exchange at most (a training step's tensors, typically)
-MAX_BATCH = 32
 
 class RingWorker(threading.Thread):
     """Owns the :class:`~birdnet.daemon.peers.PeerNet` (or runs alone in a one-node ring). One
@@ -113,6 +109,9 @@ class RingWorker(threading.Thread):
         self.restarted_jobs: list[str] = []
         #: the dense lane (daemon/lane.py): the round that may start here without an agreement
         self.lane = DenseLane(net, rank, world, membership.lane_allowed())
+        #: the aborts this node starts or passes on, and the rounds waiting here they fail (failures.py)
+        self.failures = RoundFailures(rank, world, net is None or world == 1, membership, self.ledger,
+                                      self.outbox, self.lane, self.ready, self.order, self._finish)
         if net is not None and self.lane.allowed:
             net.on_lane = self.lane.on_message
         #: rounds end with a commit (RoundTransport.await_commit): every node holds the result before
@@ -120,10 +119,11 @@ class RingWorker(threading.Thread):
         self.commits = "commit" in getattr(membership, "message_types", ()) and hasattr(net, "commits")
         #: a round that settled its commit among the surviving nodes (settlement hook, _open_lane)
         self.settled_at: str | None = None
-        #: the main loop's handlers of control messages between rounds (a ``lane`` message is
-        #: handled as PeerNet.poll receives it, DenseLane.on_message; data between rounds is stale)
-        self._handlers: dict[str, Callable[[dict[str, Any]], bool]] = {
-            "start": self.handle_start, "abort": self.handle_abort}
+        #: the main loop's handlers of control messages between rounds, by record type (a ``lane``
+        #: message is handled as PeerNet.poll receives it, DenseLane.on_message; data between rounds
+        #: is stale); a round's messages go to its Round (rounds.py)
+        self._handlers: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
+            Start: self.handle_start, Abort: self.handle_abort}
 
     @property
     def lane_rounds(self) -> int:
@@ -153,7 +153,7 @@ class RingWorker(threading.Thread):
         while self.restarted_jobs:
             self._forget_job(self.restarted_jobs.pop(0))
         while self.lost_processes:
-            self._announce_departure(*self.lost_processes.pop(0))
+            self.failures.announce_departure(*self.lost_processes.pop(0))
         if self.outbox.unsent:
             self.outbox.resend()
         try:
@@ -177,40 +177,14 @@ class RingWorker(threading.Thread):
                 t = self.ledger.tombstone(item.key)
                 if t is not None:
                     self._finish(item, rebuild(t.error_class, t.message))
+                elif item.kind != "reset" and item.error is None:
+                    diverged = self.runner.states.divergence(item.job)
+                    if diverged is not None:  # failed in its description: every node fails it
+                        item.error = CodecError(diverged)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _announce_departure(self, job: str, first: int) -> None:
-        """Tell the ring that a process of ``job`` was lost on this node before its call ``first``:
-        every node then fails the job's later calls at once (ProcessLostError) until the job's
-        processes are restarted. Without it, a node whose processes waited for a start the leader
-        never sends (the leader's own process was the one lost) waited round_timeout. Only for a
-        process lost without a goodbye: a job that ends normally leaves nothing behind that could
-        meet its next run."""
-        if self.net is None or self.world == 1 or job not in self.departed:
-            return
-        key = round_key(job, first + self.membership.offsets.get(job, 0))
-        reason = f"node rank {self.rank}: {self.departed[job][0]}"
-        self.ledger.remember_failed(key, "ProcessLostError", reason)
-        self._abort(key, reason, cls="ProcessLostError")
-
-    def _note_departure_elsewhere(self, key: str, reason: str) -> None:
-        """A ``ProcessLostError`` abort of round ``key``: a process of its job left another node at
-        that call, so no later call of the job can complete either. Applied only while this node's
-        processes of the job are at that call or past it, so a stale abort of a run that ended
-        cannot doom a new run of the same job (which numbers its calls from 0 again)."""
-        parsed = split_key(key)
-        if parsed is None:
-            return
-        job, seq = parsed
-        if not self.ledger.note_departed_elsewhere(job, seq, reason, MAX_BATCH):
-            return
-        for k in list(self.order):
-            r = self.ready[k]
-            if r.job == job and r.seq > seq:
-                self._finish(r, ProcessLostError(reason))
 
     def _forget_job(self, job: str) -> None:
         """The job's processes on this node all left and a new one came: its call numbering starts
@@ -221,30 +195,6 @@ class RingWorker(threading.Thread):
         self.membership.forget_job(job)
 
     # -- what the membership decides, applied to this worker's tables ----------------------------------
-    def _check_liveness(self) -> bool:
-        """Whether rounds may run now (the membership's answer); the rounds waiting here fail now
-        when it says they must."""
-        lv = self.membership.check_liveness(bool(self.order))
-        if lv.failure is not None:
-            self.lane.close()  # every node learns of the loss; rounds start with an agreement after it
-            for key in list(self.order):
-                rnd = self.ready[key]
-                err = PeerLostError(lv.failure(key, rnd.desc.get("name")))
-                if lv.tell_ring:
-                    self._fail_alone(rnd, err)
-                else:
-                    self._finish(rnd, err)
-        return lv.live
-
-    def _overtaken(self, key: str, leader: int) -> None:
-        """The leader started round ``key``: the rounds held here that it has gone past fail."""
-        waiting = [self.ready[k] for k in self.order]
-        for o in self.membership.overtaken(key, leader, waiting, self.lane.running):
-            if o.remember is not None:
-                self.ledger.remember_failed(o.key, "PeerLostError", o.remember)
-            if o.key in self.ready:
-                self._finish(self.ready[o.key], o.error)
-
     def _align(self, key: str) -> None:
         """Shift the call numbers of this node's waiting rounds of ``key``'s job as the membership
         says (an elastic joiner's become the cluster's at its first start)."""
@@ -258,35 +208,11 @@ class RingWorker(threading.Thread):
             self.ready[rnd.key] = self.ready.pop(old)
             self.order[self.order.index(old)] = rnd.key
 
-    def _applied(self, ring: Any, go: dict[str, Any] | None) -> None:
+    def _applied(self, ring: Any, go: Go | None) -> None:
         """An agreement passed: its membership becomes this node's; a new epoch starts every member
         from empty codec state."""
         if self.membership.applied(ring, go):
             log.info("codec states dropped for the new membership epoch: %d", self.runner.states.clear())
-
-    def _fail_alone(self, rnd: LocalRound, error: BirdnetError) -> None:
-        """Fail a round on this node before the leader's verdict, and tell the ring: a node that
-        holds (or will hold) the same round fails it too instead of waiting for its agreement."""
-        self._finish(rnd, error)
-        self.ledger.remember_failed(rnd.key, type(error).__name__, str(error))
-        self._abort(rnd.key, f"node rank {self.rank}: {error}", origin=self.rank,
-                    cls=None if isinstance(error, PeerLostError) else type(error).__name__)
-
-    def _on_abort_elsewhere(self, a: Abort | None) -> None:
-        """An ``abort`` (naming its origin) of a round this node is not running: remember it,
-        fail the round if it is waiting here, pass the abort on."""
-        if a is None or a.key is None or a.origin is None or a.origin == self.rank:
-            return
-        key = a.key
-        parsed = split_key(key)
-        if self.lane.at is not None and parsed is not None and parsed[0] == self.lane.at[0]:
-            self.lane.close()  # the node that failed it closed its lane: it will want an agreement
-        self.ledger.remember_failed(key, a.error_class or "PeerLostError", a.reason)
-        if key in self.ready:
-            self._finish(self.ready[key], RoundAborted.of(a))
-        if a.error_class == "ProcessLostError":
-            self._note_departure_elsewhere(key, a.reason)
-        self._abort(key, a.reason, origin=a.origin, cls=a.error_class)
 
     def _finish(self, rnd: LocalRound, error: BirdnetError | None = None) -> None:
         if isinstance(error, RoundAborted) and error.cls:
@@ -327,14 +253,14 @@ class RingWorker(threading.Thread):
             why = f"node rank {self.rank}: {gone}"
             self.lane.close()
             self.ledger.remember_failed(key, "ProcessLostError", why)
-            self._abort(key, why, cls="ProcessLostError")
+            self.failures.abort(key, why, cls="ProcessLostError")
             return True
         rnd = self.ready.get(key)
         if rnd is None:
             return False
         if rnd.error is not None:  # e.g. NaN under nan_policy='reject': fail it everywhere
             self.lane.close()
-            self._fail_alone(rnd, rnd.error)
+            self.failures.fail_alone(rnd, rnd.error)
             return True
         if not lane_eligible(rnd):
             return False  # it waits for the leader, which closes the lane and starts it
@@ -345,7 +271,7 @@ class RingWorker(threading.Thread):
         transport = RoundTransport(self.net, rnd.key, self.lane.since, lane=True)
         self.lane.running = rnd.key
         try:
-            failed = self._data_phase(rnd, transport, None)
+            failed = self._data_phase(rnd, transport)
         except LaneGivenUp:
             # nothing of the round was written here (see the module docstring): run it once agreed
             transport.round.phase = Phase.GIVEN_UP
@@ -409,7 +335,7 @@ class RingWorker(threading.Thread):
         net, m = self.net, self.membership
         while not self.stopping:
             self._take_inbox()
-            live = self._check_liveness()  # fails what cannot run (a lost peer, no majority)
+            live = self.failures.check_liveness()  # fails what cannot run (a lost peer, no majority)
             if self.lane.at is not None and live and self._lane_step():
                 continue
             leader = m.leader(live)
@@ -426,36 +352,37 @@ class RingWorker(threading.Thread):
                         self._finish(rnd, InputError(f"round {rnd.key} failed inside the daemon: {exc!r}"))
                 continue
             if leader != self.rank:
-                self._expire_unstarted()
+                self.failures.expire_unstarted(self.settings)
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
-            handler = self._handlers.get(msg["h"].get("t")) if msg is not None else None
-            followed = handler(msg) if handler is not None else False
+            rec = record_of(msg) if msg is not None else None
+            handler = self._handlers.get(type(rec))
+            followed = handler(rec, msg) if handler is not None else False
             if not followed and leader is not None and leader != self.rank and self.order:
                 m.waiting_for_start(self.order[0], leader)
                 if isinstance(m, FixedRing):
-                    self._repeat_aborts()
+                    self.failures.repeat_aborts()
 
     # -- control messages between rounds, by type (as the service's main loop dispatches clients') --
-    def handle_start(self, msg: dict[str, Any]) -> bool:
+    def handle_start(self, st: Start, msg: dict[str, Any]) -> bool:
         """A leader's ``start``: follow it (True). Only followers act on one; the leader's own
         starts come back inside _lead."""
-        h = msg["h"]
-        if not self.membership.follows(h):
+        if not self.membership.follows(st):
             return False
-        self._follow_guarded(self._follow, msg, h.get("k"))
+        self._follow_guarded(st, msg.get("from"))
         return True
 
-    def handle_abort(self, msg: dict[str, Any]) -> bool:
+    def handle_abort(self, a: Abort, msg: dict[str, Any]) -> bool:
         """An ``abort`` of a round this node is not running: remembered and passed on."""
-        self._on_abort_elsewhere(Abort.from_header(msg["h"]))
+        self.failures.on_abort_elsewhere(a)
         return False
 
-    def _follow_guarded(self, follow: Callable[[Any], None], msg: Any, key: Any) -> None:
-        """A follower's part of round ``key``; whatever goes wrong in it fails that round here only
-        (e.g. the right neighbour is not connected), never the ring thread."""
+    def _follow_guarded(self, st: Start, sender: int | None) -> None:
+        """A follower's part of round ``st.key``; whatever goes wrong in it fails that round here
+        only (e.g. the right neighbour is not connected), never the ring thread."""
+        key = st.key
         try:
-            follow(msg["h"], msg.get("from"))
+            self._follow(st, sender)
         except Exception as exc:  # noqa: BLE001
             if not isinstance(exc, BirdnetError):
                 log.exception("round %r failed inside a follower", key)
@@ -464,24 +391,13 @@ class RingWorker(threading.Thread):
             if isinstance(key, str) and key in self.ready:
                 self._finish(self.ready[key], exc)
 
-    def _expire_unstarted(self) -> None:
-        """A follower's round the leader never starts (its job's processes on another node never
-        submitted it) fails after round_timeout instead of waiting forever."""
-        limit = self.settings.round_wait_timeout
-        now = time.monotonic()
-        for key in list(self.order):
-            rnd = self.ready[key]
-            if now - rnd.ready_at > limit:
-                self._finish(rnd, RoundTimeoutError(
-                    f"round {key} for tensor {rnd.desc.get('name')!r} was never started by the leader "
-                    f"within round_timeout={self.settings.round_timeout} s: the job's processes on some other "
-                    "node did not submit it"))
-
-    def _wait_control(self, want: str, rd: Round) -> dict:
-        """Wait until ``rd.deadline`` for a control message ``want`` of round ``rd`` from the member
-        before this node on its ring."""
+    def _wait_control(self, want: str, rd: Round) -> Any:
+        """Wait until ``rd.deadline`` for the control message ``want`` of round ``rd`` from the member
+        before this node on its ring (its record: the leader's start back, or the go)."""
         net = self.net
         key, deadline, ring, since = rd.key, rd.deadline, rd.ring, rd.since
+        rd.phase = Phase.AGREEING  # what the round takes now (Round.handle)
+        rd.leading = want == "start"  # the leader waits for its start to come back, a follower for the go
         while True:
             self._take_inbox()
             why = ring.gone(net, since)
@@ -498,69 +414,18 @@ class RingWorker(threading.Thread):
             if err is not None:
                 raise err
             msg = net.poll(0.05)
-            if msg is None or not ring.accepts(msg):
-                continue
-            h = msg["h"]
-            a = Abort.from_header(h) if h.get("t") == "abort" else None
-            if a is not None and a.key == key:
-                if a.retry:
-                    raise RoundRetry(a.reason)
-                raise RoundAborted.of(a)
-            if not ring.from_left(msg):
-                continue
-            if h.get("t") == want and h.get("k") == key:
+            step = rd.handle(msg) if msg is not None else Step.STALE  # raises on this round's abort
+            if step is Step.TAKE:
                 err = ring.gap_error(net, key, want)  # what was lost may have been this round's
                 if err is not None:
                     raise err
-                return h
-            if a is not None and a.origin is not None:
-                self._on_abort_elsewhere(a)  # another round
-                continue
-            if h.get("t") == "start" and want == "go" and self.membership.follows(h):
+                return record_of(msg)
+            if step is Step.ELSEWHERE:
+                self.failures.on_abort_elsewhere(record_of(msg))  # another round
+            elif step is Step.FOLLOW and self.membership.follows(record_of(msg)):
                 self.pending_start = msg  # the leader moved on (or started again)
                 raise self.membership.on_new_start(key)
             # anything else is stale (an earlier, failed round)
-
-    def _abort(self, key: str, reason: str, origin: int | None = None, cls: str | None = None, *,
-               retry: bool = False) -> None:
-        """Tell the ring round ``key`` failed. On the fixed ring every abort names its origin
-        (default: this node) and travels until it is next to it, through nodes that are not (or no
-        longer) in the round too, so a node that has not reached the round yet learns of it
-        (RingWorker.aborted); an elastic abort travels the round's ring (``retry``: start the round
-        again on the re-formed ring). The membership says which."""
-        abort = self.membership.abort_of(key, reason, origin, cls, retry)
-        self.outbox.send(abort, keep=not retry and self.world > 1)
-
-    def _repeat_aborts(self) -> None:
-        """This node's processes wait for the leader to start a round, and this node failed an
-        earlier round of their job (alone, before any verdict): tell the ring again, once a second.
-        The first abort can be lost with a connection that was being re-made (the leader stopped,
-        its left neighbour's socket reconnecting): the leader would then wait round_timeout for its
-        start of that round to come back, holding every round of the ring."""
-        now = time.monotonic()
-        for key in self.order[:1]:
-            rnd = self.ready[key]
-            for seq in range(max(0, rnd.seq - MAX_BATCH), rnd.seq):
-                k = round_key(rnd.job, seq)
-                t = self.aborted.get(k)
-                if t is None or not self.outbox.due_again(k, t.at, now):
-                    continue
-                self._abort(k, t.message, cls=None if t.error_class == "PeerLostError" else t.error_class)
-
-    def _report(self, key: str, exc: BaseException) -> None:
-        """Abort round ``key`` after it failed here with ``exc``: pass on an abort that came from
-        upstream (keeping its origin and reason), else start one."""
-        if isinstance(exc, RoundAborted) and exc.origin is not None:
-            if exc.origin != self.rank:
-                self.ledger.remember_failed(key, exc.cls or "PeerLostError", exc.reason)
-                self._abort(key, exc.reason, origin=exc.origin, cls=exc.cls)
-        elif isinstance(exc, RoundAborted):
-            self._abort(key, f"rank {self.rank}: {exc}")
-        else:
-            # the class goes along only for errors that are the round's own (a mismatch, bad input):
-            # a node that merely lost its neighbour says so in the reason, and others stay PeerLostError
-            cls = None if isinstance(exc, (PeerLostError, ShutdownError)) else type(exc).__name__
-            self._abort(key, f"rank {self.rank}: {exc}", cls=cls)
 
     def _lead(self, rnd: LocalRound) -> None:
         """Start ``rnd`` and, in the same start/go exchange, up to ``MAX_BATCH - 1`` more rounds
@@ -571,19 +436,19 @@ class RingWorker(threading.Thread):
         ring = m.propose()
         if ring is None:
             # not enough nodes want to take part yet (elastic: restarted without their processes)
-            self._expire_unstarted()
+            self.failures.expire_unstarted(self.settings)
             net.poll(0.05)
             return
         key = rnd.key
-        rd = Round(key, ring, net.neighbour_restarts, rnd.ready_at + self.settings.round_timeout)
+        rd = Round(key, ring, net.neighbour_restarts, rnd.ready_at + self.settings.round_timeout, leading=True)
         extras = [k for k in self.order if k != key and self.ready[k].error is None][:MAX_BATCH - 1]
         lane = None
         try:
             ring.send(net, {"t": "start", "k": key, **ring.fields, "descs": [[self.rank, description(self.rank, rnd)]],
                             "more": [[k, [[self.rank, description(self.rank, self.ready[k])]]] for k in extras]})
             rd.phase = Phase.AGREEING
-            h = self._wait_control("start", rd)
-            verdicts = verdicts_of_start(h, key, [k for k in extras if k in self.ready], ring)
+            back = self._wait_control("start", rd)
+            verdicts = verdicts_of_start(back.header, key, [k for k in extras if k in self.ready], ring)
             rd.verdict = verdicts[0]
             go = {"t": "go", **ring.fields, **verdicts[0].go_fields(), "more": [v.to_wire() for v in verdicts[1:]]}
             lane = self.lane.grant(verdicts)
@@ -597,12 +462,12 @@ class RingWorker(threading.Thread):
                 log.info("round %s: agreement on ring %s abandoned (%s); it will start again", key,
                          list(ring.members), exc)
                 rd.phase = Phase.RETRY
-                self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+                self.failures.abort(key, f"rank {self.rank}: {exc}", retry=True)
                 net.poll(0.1)
                 return
             rd.phase = Phase.FAILED
             self.lane.close()
-            self._report(key, exc)
+            self.failures.report(key, exc)
             self._finish(rnd, exc)
             return
         self._applied(ring, None)
@@ -624,25 +489,21 @@ class RingWorker(threading.Thread):
                 all_ok = False
                 self._finish(rnd, rebuild(v.error_class or "RoundMismatchError", v.error))
             elif failed is not None:
-                self._abort(v.key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
+                self.failures.abort(v.key, f"rank {self.rank}: an earlier round of the batch failed: {failed}")
                 self._finish(rnd, with_message(failed, f"an earlier round of the same batch failed: {failed}"))
             else:
-                counts = list(v.counts)
-                self.membership.note_contributors(rnd, counts, agreed.ring)
+                self.membership.note_contributors(rnd, list(v.counts), agreed.ring)
                 rd = Round(v.key, agreed.ring, agreed.since, phase=Phase.RUNNING, verdict=v)
-                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, round=rd), counts)
+                failed = self._data_phase(rnd, RoundTransport(self.net, v.key, round=rd))
         agreed.phase = Phase.DONE if all_ok and failed is None else Phase.FAILED
         return all_ok and failed is None
 
-    def _follow(self, h: dict[str, Any], sender: int | None = None) -> None:
-        """A follower's part of the agreement the leader's ``start`` ``h`` (from rank ``sender``)
+    def _follow(self, st: Start, sender: int | None = None) -> None:
+        """A follower's part of the agreement the leader's start ``st`` (from rank ``sender``)
         began: its description once its processes submitted the round, then the leader's ``go``."""
-        key = h.get("k")
-        descs = h.get("descs")
-        if not isinstance(key, str) or not isinstance(descs, list):
-            return
+        key, descs = st.key, list(st.descs)
         m, net = self.membership, self.net
-        ring = m.ring_of_start(h, sender)
+        ring = m.ring_of_start(st, sender)
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
@@ -658,7 +519,7 @@ class RingWorker(threading.Thread):
                 self._align(key)  # an elastic joiner's call numbers become the cluster's
             if key in self.ready:
                 break
-            self._overtaken(key, ring.leader)
+            self.failures.overtaken(key, ring.leader)
             if self.stopping:
                 return
             if time.monotonic() > rd.deadline:
@@ -670,10 +531,10 @@ class RingWorker(threading.Thread):
             if why is not None:
                 why = f"{why} while round {key} was starting"
                 if m.retries(PeerLostError(why)):
-                    self._abort(key, why, retry=True)  # it starts again on the re-formed ring
+                    self.failures.abort(key, why, retry=True)  # it starts again on the re-formed ring
                 else:
                     self.ledger.remember_failed(key, "PeerLostError", why)
-                    self._abort(key, why)
+                    self.failures.abort(key, why)
                 return
             doomed = self.ledger.doomed(key, self.rank, self.ready, self.restarted_jobs, self.membership.offsets)
             if doomed is not None:
@@ -684,24 +545,21 @@ class RingWorker(threading.Thread):
                 self._pass_go(rd)
                 return
             msg = net.poll(0.02)
-            if msg is None or not ring.from_left(msg):
-                continue
-            mh = msg["h"]
-            if mh.get("t") == "abort" and mh.get("k") == key:
-                a = Abort.from_header(mh)
-                if a is not None and a.origin is not None:
-                    # remembered, so the round fails at once when this node's processes submit it
-                    self._on_abort_elsewhere(a)
-                elif a is not None:
-                    self._abort(key, a.reason, retry=a.retry)  # an elastic abort: on along the ring
+            step = rd.handle(msg) if msg is not None else Step.STALE
+            if step is Step.ABORTED:
+                # remembered, so the round fails at once when this node's processes submit it
+                self.failures.on_abort_elsewhere(record_of(msg))
                 return
-            if mh.get("t") == "start" and mh.get("k") != key:
-                # the leader moved on (it abandoned this round): follow the newer one
-                self.pending_start = msg
+            if step is Step.PASS_ON:
+                a = record_of(msg)
+                self.failures.abort(key, a.reason, retry=a.retry)  # an elastic abort: on along the ring
+                return
+            if step is Step.FOLLOW:
+                self.pending_start = msg  # the leader moved on (it abandoned this round)
                 return
         rnd = self.ready[key]
         descs.append([self.rank, description(self.rank, rnd)])
-        kept = extend_batch(h.get("more"), self.ready, lambda k: [self.rank, description(self.rank, self.ready[k])])
+        kept = extend_batch(st.more, self.ready, lambda k: [self.rank, description(self.rank, self.ready[k])])
         ring.send(net, {**start, "descs": descs, "more": kept})
         try:
             g = self._wait_control("go", rd.wait_until(rnd.ready_at + self.settings.round_wait_timeout,
@@ -711,30 +569,27 @@ class RingWorker(threading.Thread):
         except (BirdnetError, RoundRetry) as exc:
             if m.retries(exc):
                 rd.phase = Phase.RETRY
-                self._abort(key, f"rank {self.rank}: {exc}", retry=True)
+                self.failures.abort(key, f"rank {self.rank}: {exc}", retry=True)
                 return  # the round stays waiting for the leader's next start
             rd.phase = Phase.FAILED
-            self._report(key, exc)
+            self.failures.report(key, exc)
             self._finish(rnd, exc)
             return
         if ring.right_rank != ring.leader:
             try:
-                ring.send(net, g)
+                ring.send(net, g.header)
             except BirdnetError as exc:
                 self._finish(rnd, exc)
                 return
         self._applied(ring, g)
-        verdicts = verdicts_of_go(g, key, ring.world, self.ready)
+        verdicts = g.verdicts(ring.world, self.ready)
         rd.verdict = verdicts[0]
-        lane = g.get("lane")
-        if not (self.lane.allowed and isinstance(lane, list) and len(lane) == 2 and isinstance(lane[0], str)
-                and is_int(lane[1])):
-            lane = None
+        lane = g.lane if self.lane.allowed else None
         if lane is not None:
             self.lane.expect(lane[0], lane[1])  # before the batch runs: see DenseLane.expect
         self._granted(self._run_batch(verdicts, rd), lane)
 
-    def _granted(self, batch_ok: bool, lane: list[Any] | None) -> None:
+    def _granted(self, batch_ok: bool, lane: Any) -> None:
         """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
         self.lane.closed_at = None
         if lane is not None and batch_ok:
@@ -762,16 +617,18 @@ class RingWorker(threading.Thread):
         finally:
             rd.phase = Phase.FAILED  # this node's part of the round was an error description
         if rd.ring.right_rank != rd.ring.leader:
-            rd.ring.send(self.net, g)
+            rd.ring.send(self.net, g.header)
 
-    def _data_phase(self, rnd: LocalRound, transport, counts: list[int] | None) -> BirdnetError | None:
-        """Run one round (agreed, or a lane round: ``counts`` None); returns its error (already
-        reported) or None. A lane round given up raises LaneGivenUp (RingWorker._run_lane)."""
-        if hasattr(transport, "on_other_abort"):
-            transport.on_other_abort = self._on_abort_elsewhere
+    def _data_phase(self, rnd: LocalRound, transport) -> BirdnetError | None:
+        """Run one round (agreed: its round's verdict has the counts; a lane round has none);
+        returns its error (already reported) or None. A lane round given up raises LaneGivenUp
+        (RingWorker._run_lane)."""
         rd: Round | None = getattr(transport, "round", None)
+        if rd is not None:
+            rd.on_other_abort = self.failures.on_abort_elsewhere
+        counts = rd.counts if rd is not None else None
         if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
-            settle.book_of(self.net).started(rnd.key)
+            self.net.settle_book.started(rnd.key)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)
@@ -788,8 +645,8 @@ class RingWorker(threading.Thread):
             if rd is not None:
                 rd.phase = Phase.FAILED
             if self.commits:  # settlement hook (daemon/settle.py): askers learn this node failed it
-                settle.book_of(self.net).aborted(rnd.key)
-            self._report(rnd.key, exc)
+                self.net.settle_book.aborted(rnd.key)
+            self.failures.report(rnd.key, exc)
             if getattr(transport, "interrupt", None):
                 self.pending_start = transport.interrupt
             self._finish(rnd, exc)
@@ -797,8 +654,8 @@ class RingWorker(threading.Thread):
         except Exception as exc:  # noqa: BLE001
             log.exception("round %s raised", rnd.key)
             if self.commits:  # settlement hook (daemon/settle.py), as above
-                settle.book_of(self.net).aborted(rnd.key)
-            self._abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
+                self.net.settle_book.aborted(rnd.key)
+            self.failures.abort(rnd.key, f"rank {self.rank}: internal error {exc!r}")
             if rd is not None:
                 rd.phase = Phase.FAILED
             err = InputError(f"round {rnd.key} failed inside the daemon: {exc!r}")
@@ -814,8 +671,11 @@ class RingWorker(threading.Thread):
         # this thread applies the change before it runs any later round. Its finite check is a pass
         # over each state array; before the release, it ran on every node at once (all are released
         # by the count within a few hops) and held back every node's result.
-        try:
-            self.runner.commit(rnd)
-        except Exception:  # noqa: BLE001 - the result is out; the next round must still run
-            log.exception("round %s: its codec-state change failed on this node", rnd.key)
+        # A failure here marks the job's state diverged (RoundRunner.commit_released): its next
+        # rounds fail on every node, loudly, instead of running with a state only this node has.
+        diverged = self.runner.commit_released(rnd, self.rank)
+        for k in self.order if diverged is not None else ():
+            other = self.ready[k]
+            if other.job == rnd.job and other.kind != "reset" and other.error is None:
+                other.error = CodecError(diverged)  # fails in its description, on every node
         return None

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable, Container
 from typing import Any
 
+import zmq
+
 from birdnet import PROTOCOL_VERSION
 
 log = logging.getLogger("birdnet.peers")
@@ -47,6 +49,29 @@ def ping_refusal(h: dict[str, Any], *, world: int, rank: int, cluster_wide: dict
     if curve and not (who or "").startswith(f"rank {claimed} "):
         return f"this connection authenticated with the CURVE key of {who or 'nobody'}, but claims rank {claimed}"
     return None
+
+
+def right_handshake_failure(event: int, value: Any, right: Any, curve: bool) -> str:
+    """Why the right neighbour (``right``, a hosts-file Peer) refused this node's connection, from
+    the DEALER's socket-monitor ``event`` (ZeroMQ reports handshake failures there, never as
+    messages), with the fix."""
+    who = f"right neighbour rank {right.rank} ({right.address})"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and not curve:
+        return f"{who} refused this node's address (status {value}); add it to that node's peer_allowed_networks"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{who} refused this node's CURVE key or its address (status {value}); add this node's "
+                "birdnet.pub to its curve_allowed_keys, or its address to its peer_allowed_networks")
+    if not curve:
+        return f"handshake with {who} failed: it requires CURVE (curve_secret_key) and this node does not use it"
+    return (f"CURVE handshake with {who} failed: it does not use CURVE, or its key is not the one in "
+            "curve_allowed_keys")
+
+
+def left_handshake_failure(event: int, curve: bool) -> str:
+    """What a failed handshake on the peer port (the ROUTER's monitor ``event``) means, for the log."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "refused by the authenticator (address or CURVE key)"
+    return "no CURVE (plaintext peer) or a protocol error" if curve else "protocol error"
 
 
 class DuplicateClaims:

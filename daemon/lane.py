@@ -25,11 +25,12 @@ leader's last close) and handles the ``lane`` messages; the ring worker runs the
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from birdnet.codecs import Pattern, get_codec
 from birdnet.errors import BirdnetError
-from birdnet.messages import Verdict
+from birdnet.messages import LaneClose, Verdict
 from birdnet.wire import round_key, split_key
 
 if TYPE_CHECKING:
@@ -103,15 +104,15 @@ class DenseLane:
         except BirdnetError:
             pass  # the right neighbour is lost: its rounds fail by that
 
-    def on_message(self, h: dict[str, Any]) -> None:
+    def on_message(self, rec: LaneClose) -> None:
         """A ``lane`` message, as PeerNet.poll receives it. The leader closed the lane: no round
         starts here without an agreement until a ``go`` opens it again; pass it on. A request to
         close it (``req``) travels to the leader, which closes the lane if it has not joined the
         round yet (if it has, its RoundTransport fails the round: a node will not join it)."""
-        if h.get("req"):
+        if rec.request:
             if self.rank != 0:
                 try:
-                    self.net.send({"t": "lane", "k": h.get("k"), "req": h.get("req")})
+                    self.net.send({"t": "lane", "k": rec.key, "req": rec.request})
                 except BirdnetError:
                     pass
             elif self.at is not None and self.running is None:
@@ -120,10 +121,10 @@ class DenseLane:
         self.close()
         # it may name the round after the one this node is still running in the lane: that round
         # must not reopen the lane when it completes
-        self.closed_at = h.get("k")
+        self.closed_at = rec.key
         if self.rank != self.world - 1:
             try:
-                self.net.send({"t": "lane", "k": h.get("k")})
+                self.net.send({"t": "lane", "k": rec.key})
             except BirdnetError:
                 pass  # the right neighbour is lost: its rounds fail by that
 
@@ -135,3 +136,46 @@ class DenseLane:
         if any(k is None for k in keys) or len({k[0] for k in keys}) != 1:
             return None
         return [keys[0][0], max(k[1] for k in keys) + 1]
+
+
+class EarlyLaneData:
+    """The data of lane rounds that came before this node runs them (a left neighbour that finished a
+    lane round goes on to the next at once), kept for their round; PeerNet owns one. Only the rounds
+    the lane may run next (``keys``, DenseLane.expect / open) are kept, within ``max_bytes`` in all (a
+    left neighbour is one round ahead at most)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.keys: tuple[str, ...] = ()
+        self._queues: dict[str, deque[dict]] = {}
+        self._bytes = 0
+
+    def set_keys(self, keys: tuple[str, ...]) -> None:
+        """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
+        self.keys = keys
+        for k in [k for k in self._queues if k not in keys]:
+            self._bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._queues.pop(k))
+
+    def keep(self, key: str, msg: dict) -> str | None:
+        """Keep ``msg`` (data of lane round ``key``) for its round; why not when it is dropped instead
+        (over the bound), else None. Data of a round not in ``keys`` (given up, or never had) is
+        dropped in silence, like stale data."""
+        if key not in self.keys:
+            return None
+        nbytes = sum(b.nbytes for b in msg["b"])
+        if self._bytes + nbytes > self.max_bytes:
+            return f"early data of lane round {key!r}: over max_message_bytes kept"
+        self._queues.setdefault(key, deque()).append(msg)
+        self._bytes += nbytes
+        return None
+
+    def has(self, key: str) -> bool:
+        return bool(self._queues.get(key))
+
+    def take(self, key: str) -> dict | None:
+        q = self._queues.get(key)
+        if not q:
+            return None
+        msg = q.popleft()
+        self._bytes -= sum(b.nbytes for b in msg["b"])
+        return msg

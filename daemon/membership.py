@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from birdnet.errors import PeerLostError, ProtocolError, RoundAborted, RoundTimeoutError  # noqa: F401 - RoundAborted: importable from here as before
-from birdnet.messages import Abort
+from birdnet.messages import Abort, Go, Start
 from birdnet.wire import split_key
 
 log = logging.getLogger("birdnet.membership")
@@ -89,14 +89,14 @@ class MembershipStrategy(Protocol):
     def check_liveness(self, want: bool) -> Liveness: ...
     def leader(self, live: bool) -> int | None: ...
     def may_lead(self) -> bool: ...
-    def follows(self, h: dict[str, Any]) -> bool: ...
+    def follows(self, st: Start) -> bool: ...
     def propose(self) -> Any: ...
-    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> Any: ...
+    def ring_of_start(self, st: Start, sender: int | None) -> Any: ...
     def retries(self, exc: BaseException) -> bool: ...
     def on_new_start(self, key: str) -> BaseException: ...
     def abort_of(self, key: str, reason: str, origin: int | None, cls: str | None, retry: bool) -> Abort: ...
     def send_abort(self, abort: Abort) -> None: ...
-    def applied(self, ring: Any, go: dict[str, Any] | None) -> bool: ...
+    def applied(self, ring: Any, go: Go | None) -> bool: ...
     def align(self, key: str, waiting: Sequence[Any]) -> int: ...
     def overtaken(self, key: str, leader: int, waiting: Sequence[Any], running: str | None) -> list[Overtaken]: ...
     def waiting_for_start(self, key: str, leader: int) -> None: ...
@@ -155,7 +155,7 @@ class FixedNeighbours:
     def from_left(self, msg: dict[str, Any]) -> bool:
         return True
 
-    def matches_go(self, go: dict[str, Any]) -> bool:
+    def matches_go(self, go: Go) -> bool:
         return True
 
     def describe_left(self) -> str:
@@ -219,9 +219,9 @@ class RingNeighbours:
     def from_left(self, msg: dict[str, Any]) -> bool:
         return msg.get("from") == self.left_rank
 
-    def matches_go(self, go: dict[str, Any]) -> bool:
+    def matches_go(self, go: Go) -> bool:
         """The go carries the membership of the start it answers."""
-        return all(go.get(k) == v for k, v in self.fields.items() if k in ("ep", "S", "L"))
+        return all(go.header.get(k) == v for k, v in self.fields.items() if k in ("ep", "S", "L"))
 
     def describe_left(self) -> str:
         return f"rank {self.left_rank} ({self.left.address})"
@@ -295,9 +295,9 @@ class FixedRing:
         by its messages and pings, the right by its pongs)."""
         own: set[int] = set()
         grace = self.settings.peer_timeout
-        if now - max(net.left_seen, net.started) > grace:
+        if now - max(net.live.left_seen, net.live.started) > grace:
             own.add(net.left.rank)
-        if now - max(net.right_seen, net.started) > grace:
+        if now - max(net.live.right_seen, net.live.started) > grace:
             own.add(net.right.rank)
         return own
 
@@ -351,7 +351,7 @@ class FixedRing:
     def may_lead(self) -> bool:
         return True
 
-    def follows(self, h: dict[str, Any]) -> bool:
+    def follows(self, st: Start) -> bool:
         """Whether the main loop follows this ``start`` (the leader's own come back inside _lead)."""
         return self.rank != 0
 
@@ -363,8 +363,8 @@ class FixedRing:
         """The ring of the leader's next agreement (None: not now)."""
         return FixedNeighbours(self.net)
 
-    def ring_of_start(self, h: dict[str, Any], sender: int | None) -> FixedNeighbours | None:
-        """The ring of a follower's agreement for start ``h`` (None: ignore the start)."""
+    def ring_of_start(self, st: Start, sender: int | None) -> FixedNeighbours | None:
+        """The ring of a follower's agreement for start ``st`` (None: ignore the start)."""
         return FixedNeighbours(self.net)
 
     def retries(self, exc: BaseException) -> bool:
@@ -382,7 +382,7 @@ class FixedRing:
     def abort_of(self, key: str, reason: str, origin: int | None, cls: str | None, retry: bool) -> Abort:
         return Abort(key, reason, self.rank if origin is None else origin, cls)
 
-    def applied(self, ring: Any, go: dict[str, Any] | None) -> bool:
+    def applied(self, ring: Any, go: Go | None) -> bool:
         """An agreement passed (its go sent or received). True: a new membership epoch began, and
         every member starts it from empty codec state."""
         return False

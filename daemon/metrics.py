@@ -314,10 +314,10 @@ def _peer_up(d: Any) -> list[tuple[int, str, int]]:
         return [(p.rank, p.address, 1) for p in d.peers]
     now = time.monotonic()
     grace = d.settings.peer_timeout
-    lost = set(net.left_reports)
-    if now - max(net.left_seen, net.started) > grace:
+    lost = set(net.live.left_reports)
+    if now - max(net.live.left_seen, net.live.started) > grace:
         lost.add(net.left.rank)
-    if now - max(net.right_seen, net.started) > grace:
+    if now - max(net.live.right_seen, net.live.started) > grace:
         lost.add(net.right.rank)
     if net.refused_by_right:
         lost.add(net.right.rank)

@@ -2,52 +2,25 @@
 
 :class:`PeerNet` owns the sockets and the poll loop, accepts connections, keeps liveness and the
 lane's early data. Its parts, by concern, are their own modules: the sockets and frames
-(links.py), the handshake's checks, duplicate claims and held messages (handshake.py), the
-numbering of messages and its gaps (numbering.py), and the round transport a ring algorithm sees
-(transport.py). One PeerNet serves both rings: where they differ (which ranks it links to, whose
+(links.py), the handshake's checks, duplicate claims and held messages (handshake.py), liveness
+(liveness.py), the numbering of messages and its gaps (numbering.py), the lane's early data
+(lane.py) and the round transport a ring algorithm sees (transport.py). One PeerNet serves both rings: where they differ (which ranks it links to, whose
 pings it accepts, what pings carry, who counts lost) it asks its membership (membership.py).
-
-The poll loop, the acceptance of a connection at its ping and the liveness bookkeeping stay in one
-class because they read and write the same per-rank state (accepted identities, last seen,
-refusals) on the ring thread; the message table below documents the protocol once.
 
 Each daemon binds one ROUTER socket on its hosts-file address (its left neighbour connects there)
 and connects one DEALER socket to its right neighbour (elastic mode: one to every node). Everything
 a ring algorithm sends goes out on a DEALER; everything it receives comes in on the ROUTER. Only
 this module's owner thread (the ring worker) touches these sockets.
 
-Message types (header field ``t``; frame layout in :mod:`birdnet.wire`):
+Message types (header field ``t``): the table in :mod:`birdnet.messages`, with the record each
+becomes as it is received here (:func:`~birdnet.messages.peer_record`: a message whose fields fail
+its record's checks is dropped and counted, ``malformed``); the frame layout in :mod:`birdnet.wire`.
+``ping`` is the heartbeat and the handshake: protocol, cluster-wide settings, world, rank,
+incarnation and the ranks the sender believes lost, sent every ``heartbeat_interval``; the receiver
+checks it (handshake.py) and answers ``pong`` or ``refuse``; messages from a DEALER identity that
+has not passed the check are held until it does (handshake.HeldMessages).
 
-==========  ==============  =======================================================================
-type        direction       meaning
-==========  ==============  =======================================================================
-``ping``    left -> right   heartbeat *and* handshake: protocol, cluster-wide settings, world, rank,
-                            incarnation, and the ranks the sender believes lost. Sent every
-                            ``heartbeat_interval``. The receiver checks it and answers ``pong`` or
-                            ``refuse``; messages from a DEALER identity that has not passed the
-                            check are held until it does (handshake.HeldMessages).
-``pong``    right -> left   the ping was accepted.
-``refuse``  right -> left   the ping was refused; ``reason`` says what differs.
-``start``   left -> right   a round: the leader (rank 0) sends it, every node appends its round
-                            description when its local processes are ready and passes it on.
-``go``      left -> right   the leader's verdict after the start came back (ok, or the error).
-``abort``   left -> right   a node failed the round (lost peer, mismatch); passes the reason on.
-``data``    left -> right   ring-algorithm messages, tagged with the round key ``k`` (and ``ln``
-                            in a lane round, one started without an agreement).
-``lane``    left -> right   the leader closes the dense lane before round ``k``: no node starts it
-                            without an agreement; a node already in it gives it up (RingWorker).
-``commit``  left -> right   after a round's data phase: ``c``, how many consecutive nodes ending
-                            with the sender hold round ``k``'s result; a node releases the result
-                            once its left says world - 1 (RoundTransport.await_commit).
-``settle``  any -> any      a node whose commit cannot finish asks every other node what it knows
-                            of round ``k`` (on a connection of its own; daemon/settle.py).
-``settled`` reply           the answer: ``st`` (released / aborted / holds / pending), ``kn``.
-==========  ==============  =======================================================================
-
-Liveness: the left neighbour is alive while anything from it arrived within ``peer_timeout``; the
-right neighbour while pongs arrive. A node that loses a neighbour reports it in its pings, and every
-node adds what its left neighbour reports, so within a few heartbeats every node knows which peer
-is lost, names it in the errors its clients see, and forgets it when it is back.
+Liveness (who is heard, lost, restarted): liveness.py.
 """
 from __future__ import annotations
 
@@ -62,8 +35,18 @@ from typing import Any
 import zmq
 from birdnet.daemon import settle
 from birdnet.daemon.elastic import ElasticRing
-from birdnet.daemon.handshake import HELD_MAX_MESSAGES, MAX_REASON_CHARS, DuplicateClaims, HeldMessages, ping_refusal
+from birdnet.daemon.handshake import (
+    HELD_MAX_MESSAGES,
+    MAX_REASON_CHARS,
+    DuplicateClaims,
+    HeldMessages,
+    left_handshake_failure,
+    ping_refusal,
+    right_handshake_failure,
+)
+from birdnet.daemon.lane import EarlyLaneData
 from birdnet.daemon.links import frames_nbytes, peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
+from birdnet.daemon.liveness import PeerLiveness
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, RingNeighbours
 from birdnet.daemon.numbering import Numbering, lost_between
 from birdnet.daemon.transport import RoundTransport
@@ -72,6 +55,7 @@ from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
 from birdnet.errors import ConfigError, PeerLostError, ProtocolError, RoundAborted
 from birdnet.hosts import Peer
+from birdnet.messages import Data, LaneClose, peer_record
 from birdnet.osutil import release_freed_memory
 
 #: what other modules and tests import from here (the module was one file before the split)
@@ -107,43 +91,35 @@ class PeerNet:
         self.left = peers[(rank - 1) % self.world]
         self.right = peers[(rank + 1) % self.world]
         self.incarnation = f"{os.getpid()}-{time.time_ns() % 10**9}"
-        self.started = time.monotonic()
         self.cluster_wide = settings.cluster_wide()
         self.bytes_sent = 0
         self.bytes_received = 0
         #: accepted DEALER identity -> rank, and back (the fixed ring accepts its left neighbour only)
         self.identities: dict[bytes, int] = {}
         self.identity_of: dict[int, bytes] = {}
-        self.left_seen = 0.0  # monotonic time of the last message from the left neighbour
-        self.right_seen = 0.0  # last pong from the right neighbour
-        self.seen = [0.0] * self.world  #: monotonic time of the last ping, pong or message per rank
         self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
         self.refused: dict[int, str] = {}  #: rank -> why it refused this node's pings
-        #: bumped when the left neighbour comes back as a new incarnation (a restarted daemon): a
-        #: round in flight here then cannot complete (the new instance knows nothing of it), see
-        #: FixedNeighbours.gone. Its first ping is a precise cut: what it sends before that
-        #: ping is held (HeldMessages), what the old instance sent after it is dropped (_replaced). The
-        #: right-hand side would learn later (after its reconnection and a pong), so only this side
-        #: looks; its abort reaches every node.
-        self.neighbour_restarts = 0
-        self.last_restart = ""  #: which neighbour restarted last, for error messages
-        #: rank -> neighbour_restarts right after its latest restart was seen (a new identity)
-        self.restart_seq: dict[int, int] = {}
-        self.own_lost: set[int] = set()
-        self.left_reports: set[int] = set()
         self.last_ping = 0.0
         self.dropped = 0
+        #: messages dropped because a field of theirs failed their record's checks (messages.peer_record)
+        self.malformed = 0
         #: messages from connections not accepted yet, until their first ping (handshake.py)
         self.held = HeldMessages(settings.peer_timeout, self._drop)
         #: round key -> the highest ``commit`` count from the left not yet taken by its round
         #: (RoundTransport.await_commit); bounded by transport.MAX_COMMITS_KEPT
         self.commits: dict[str, int] = {}
+        #: what this node tells a node that settles a round with it (daemon/settle.py): the rounds it
+        #: released, aborted or holds, and the commit counts above
+        self.settle_book = settle.SettleBook(rank, self.world, lambda k: self.commits.get(k, 0))
         #: (rank, header) of the last commit counts sent, sent again after a queue drop (_count_ping)
         self.recent_commits: deque[tuple[int, dict[str, Any]]] = deque(maxlen=4)
         #: identities of connections replaced by a newer one (an earlier incarnation): dropped, not held
         self._replaced: deque[bytes] = deque(maxlen=16)
         #: two live daemons claiming one rank: both refused (handshake.py)
         self.claims = DuplicateClaims(settings.peer_timeout, lambda r: self.peers[r].address)
+        #: when each peer was last heard, restarts, lost ranks (liveness.py)
+        self.live = PeerLiveness(peers, rank, settings.peer_timeout, self.claims.duplicates)
+        self.seen = self.live.seen
         self.stopping = False  #: set by the ring worker on shutdown: rounds stop waiting for data
         #: every message is numbered per destination; gaps per sender (numbering.py)
         self.numbering = Numbering(settings.peer_timeout, settings.heartbeat_interval)
@@ -151,9 +127,7 @@ class PeerNet:
         self.gaps = self.numbering.gaps
         #: lane rounds (RingWorker) whose data may come before this node runs them: a left neighbour
         #: that finished a lane round goes on to the next at once. Their messages wait here.
-        self.lane_keys: tuple[str, ...] = ()
-        self._early: dict[str, deque[dict]] = {}
-        self._early_bytes = 0  #: bounded by max_message_bytes (a left neighbour is one round ahead at most)
+        self.early = EarlyLaneData(settings.max_message_bytes)
         #: the round a RoundTransport is reading (its own lane data is not put aside)
         self.reading: str | None = None
         #: called with a ``lane`` message as it arrives (the ring worker closes its lane, passes it on)
@@ -305,84 +279,39 @@ class PeerNet:
             return
         self.handshake_failures += 1
         if side == "dealer":
-            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH and self.curve is None:
-                reason = (f"right neighbour rank {self.right.rank} ({self.right.address}) refused this node's "
-                          f"address (status {value}); add it to that node's peer_allowed_networks")
-            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                reason = (f"right neighbour rank {self.right.rank} ({self.right.address}) refused this node's CURVE "
-                          f"key or its address (status {value}); add this node's birdnet.pub to its "
-                          "curve_allowed_keys, or its address to its peer_allowed_networks")
-            elif self.curve is None:
-                reason = (f"handshake with right neighbour rank {self.right.rank} ({self.right.address}) failed: "
-                          "it requires CURVE (curve_secret_key) and this node does not use it")
-            else:
-                reason = (f"CURVE handshake with right neighbour rank {self.right.rank} ({self.right.address}) "
-                          "failed: it does not use CURVE, or its key is not the one in curve_allowed_keys")
+            reason = right_handshake_failure(event, value, self.right, self.curve is not None)
             if reason != self.refused_by_right:
                 log.error("%s", reason)
             self.refused_by_right = reason
         elif self.handshake_failures <= 20 or self.handshake_failures % 1000 == 0:
-            why = "refused by the authenticator (address or CURVE key)" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else (
-                "no CURVE (plaintext peer) or a protocol error" if self.curve is not None else "protocol error")
-            log.warning("refused a connection on the peer port: %s (event %d, value %s; %d so far)", why, event,
-                        value, self.handshake_failures)
+            log.warning("refused a connection on the peer port: %s (event %d, value %s; %d so far)",
+                        left_handshake_failure(event, self.curve is not None), event, value, self.handshake_failures)
 
-    # -- liveness --------------------------------------------------------------------------------
+    # -- liveness (liveness.py) --------------------------------------------------------------------
+    @property
+    def neighbour_restarts(self) -> int:
+        """Restarts of peers seen so far (PeerLiveness.neighbour_restarts)."""
+        return self.live.neighbour_restarts
+
     def lost(self) -> set[int]:
         """Ranks believed lost: this node's own observations (membership.silent), plus on the fixed
         ring what the left neighbour reports."""
-        now = time.monotonic()
-        own = self.membership.silent(self, now)
-        if own != self.own_lost:
-            for r in sorted(own - self.own_lost):
-                log.warning("peer rank %d (%s) lost: nothing heard for %.1f s", r, self.peers[r].address,
-                            self.settings.peer_timeout)
-            for r in sorted(self.own_lost - own):
-                log.info("peer rank %d (%s) is back", r, self.peers[r].address)
-            self.own_lost = own
-        return (own | self.left_reports) - {self.rank}
+        return self.live.update_lost(self.membership.silent(self, time.monotonic()))
 
     def heard(self, r: int, now: float | None = None) -> bool:
-        """Something from rank ``r`` arrived within peer_timeout (no grace after start-up)."""
-        if r == self.rank:
-            return True
-        if r in self.duplicates:
-            return False  # two daemons claim it (its pongs still come, from the one we dial)
-        now = time.monotonic() if now is None else now
-        return self.seen[r] > 0 and now - self.seen[r] <= self.settings.peer_timeout
+        return self.live.heard(r, now)
 
     def presumed(self, r: int, now: float | None = None) -> bool:
-        """Rank ``r`` is not (yet) counted lost: heard within peer_timeout, or this daemon started
-        less than peer_timeout ago."""
-        if r == self.rank:
-            return True
-        if r in self.duplicates:
-            return False
-        now = time.monotonic() if now is None else now
-        return now - max(self.seen[r], self.started) <= self.settings.peer_timeout
+        return self.live.presumed(r, now)
 
     def alive(self) -> set[int]:
-        """The ranks heard within peer_timeout (this node's own included)."""
-        now = time.monotonic()
-        return {r for r in range(self.world) if self.heard(r, now)}
+        return self.live.alive()
 
     def gone(self, ring: list[int], since: int, now: float | None = None) -> str | None:
-        """Why a round on ``ring`` that began when neighbour_restarts was ``since`` cannot go on:
-        members counted lost, or restarted since (their new instance knows nothing of the round),
-        else None."""
-        now = time.monotonic() if now is None else now
-        lost = {r for r in ring if not self.presumed(r, now)}
-        back = [r for r in ring if self.restart_seq.get(r, 0) > since]
-        if not lost and not back:
-            return None
-        why = [f"lost peer {self.describe_lost(lost)}"] if lost else []
-        why += [f"rank {r} ({self.peers[r].address}) restarted" for r in back]
-        return "; ".join(why)
+        return self.live.gone(ring, since, self.describe_lost, now)
 
     def restarted_since(self, since: int) -> str | None:
-        """Which neighbour restarted (for an error message) if one did after neighbour_restarts was
-        ``since``, else None."""
-        return f"neighbour {self.last_restart}" if self.neighbour_restarts != since else None
+        return self.live.restarted_since(since)
 
     def describe_lost(self, lost: set[int]) -> str:
         return self.membership.describe_lost(self, lost)
@@ -396,9 +325,9 @@ class PeerNet:
         of the start, when it is not counted lost yet)."""
         ok = True
         if rank == self.left.rank:
-            ok = self.left_identity is not None and self.left_seen > 0
+            ok = self.left_identity is not None and self.live.left_seen > 0
         if rank == self.right.rank:
-            ok = ok and self.right_seen > 0
+            ok = ok and self.live.right_seen > 0
         return ok
 
     # -- sending ---------------------------------------------------------------------------------
@@ -466,48 +395,42 @@ class PeerNet:
                 pass  # that peer's liveness (no pongs) reports this
 
     # -- receiving -------------------------------------------------------------------------------
+    @property
+    def lane_keys(self) -> tuple[str, ...]:
+        return self.early.keys
+
     def set_lane_keys(self, keys: tuple[str, ...]) -> None:
-        """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
-        self.lane_keys = keys
-        for k in [k for k in self._early if k not in keys]:
-            self._early_bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._early.pop(k))
+        """Lane rounds whose early data is kept from now on (EarlyLaneData.set_keys)."""
+        self.early.set_keys(keys)
 
     def has_early(self, key: str) -> bool:
-        return bool(self._early.get(key))
+        return self.early.has(key)
 
     def take_early(self, key: str) -> dict | None:
-        q = self._early.get(key)
-        if not q:
-            return None
-        msg = q.popleft()
-        self._early_bytes -= sum(b.nbytes for b in msg["b"])
-        return msg
+        return self.early.take(key)
 
     def poll(self, timeout: float, data: bool = False) -> dict | None:
         """Wait up to ``timeout`` s for one message that matters to the caller (start, go, abort,
-        data, lane) and return ``{"h": header, "b": buffers}``; pings, pongs and garbage are handled
-        here, and a lane round's data that came before this node runs the round is kept for it.
+        data, lane, commit) and return ``{"h": header, "b": buffers, "r": its record, "from": rank}``
+        (the record: birdnet.messages, checked once where it was received); pings, pongs and garbage
+        are handled here, and a lane round's data that came before this node runs the round is kept
+        for it.
         ``data``: the caller is a round's data phase (RoundTransport), which waits on the peer
         sockets only and looks at the socket monitors and the service's wake-up less often."""
         msg = self._poll_once(timeout, data)
         if msg is None:
             return None
-        h = msg["h"]
-        if h.get("t") == "data" and h.get("ln"):
-            k = h.get("k")
-            if k != self.reading:
-                nbytes = sum(b.nbytes for b in msg["b"])
-                if k in self.lane_keys and self._early_bytes + nbytes <= self.settings.max_message_bytes:
-                    self._early.setdefault(k, deque()).append(msg)
-                    self._early_bytes += nbytes
-                elif k in self.lane_keys:
-                    self._drop(f"early data of lane round {k!r}: over max_message_bytes kept")
-                # else: a lane round this node gave up or never had (dropped, like stale data).
+        rec = msg["r"]
+        if type(rec) is Data and rec.lane:
+            if rec.key != self.reading:
+                why = self.early.keep(rec.key, msg)
+                if why:
+                    self._drop(why)
                 # Return rather than wait on: the same poll may have taken the service thread's
                 # wake-up (a round handed over), which the caller must see now, not a poll later.
                 return None
-        elif h.get("t") == "lane" and self.on_lane is not None:
-            self.on_lane(h)
+        elif type(rec) is LaneClose and self.on_lane is not None:
+            self.on_lane(rec)
         return msg
 
     def _poll_once(self, timeout: float, data: bool = False) -> dict | None:
@@ -582,7 +505,7 @@ class PeerNet:
                 self.seen[r] = time.monotonic()
                 self._note_info(r, header)
                 if r == self.right.rank:
-                    self.right_seen = self.seen[r]
+                    self.live.right_seen = self.seen[r]
                 if self.refused.pop(r, None) is not None:
                     log.info("%s accepted us", who)
             elif header["t"] == "refuse":
@@ -598,9 +521,10 @@ class PeerNet:
         self.info[r] = {"ep": ep if isinstance(ep, int) and not isinstance(ep, bool) and ep >= 0 else 0,
                         "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
 
-    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any] | None:
-        """The next message on the ROUTER as (identity, header, buffers, header frame); None when
-        there is none, or it was a ping (answered here) or garbage (dropped, the sender told)."""
+    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any, Any] | None:
+        """The next message on the ROUTER as (identity, header, buffers, header frame, record); None
+        when there is none, or it was a ping (answered here) or garbage (dropped, the sender told;
+        a header whose fields fail its record's checks is dropped and counted in ``malformed``)."""
         try:
             frames = recv_frames(self.router)
         except zmq.Again:
@@ -630,7 +554,12 @@ class PeerNet:
         if t not in self.message_types:
             self._drop(f"unknown message type {t!r} from {identity[:40]!r}")
             return None
-        return identity, header, bufs, frames[1]
+        rec = peer_record(header)
+        if rec is None:
+            self.malformed += 1
+            self._drop(f"malformed {t!r} message from {identity[:40]!r} ({self.malformed} malformed so far)")
+            return None
+        return identity, header, bufs, frames[1], rec
 
     def _check_numbering(self, identity: bytes, header: dict[str, Any]) -> None:
         """Notice messages from an accepted sender that never arrived (see ``sent_q_to``)."""
@@ -664,25 +593,26 @@ class PeerNet:
         got = self._decode_router()
         if got is None:
             return None
-        identity, header, bufs, first = got
+        identity, header, bufs, first, rec = got
         r = self.identities.get(identity)
         if r is None:
-            self._not_accepted(identity, header, bufs, first, "the peer")
+            self._not_accepted(identity, header, bufs, first, "the peer", rec)
             return None
         self.seen[r] = time.monotonic()
         if r == self.left.rank:
-            self.left_seen = self.seen[r]
-        return {"h": header, "b": bufs, "from": r}
+            self.live.left_seen = self.seen[r]
+        return {"h": header, "b": bufs, "from": r, "r": rec}
 
     def _not_accepted(self, identity: bytes, header: dict[str, Any], bufs: list[memoryview], first: Any,
-                      whose: str) -> None:
+                      whose: str, rec: Any) -> None:
         """A message from a connection not accepted (yet): dropped if it is an earlier incarnation of
         ``whose``, else held until its first ping (a queue that overtook the handshake)."""
         if identity in self._replaced:
             self._drop(f"{header['t']!r} message from {identity[:40]!r}, an earlier incarnation of {whose}")
         else:
             who = self._peer_of_connection(first) if self.curve is not None else None
-            self.held.hold(identity, who, {"h": header, "b": bufs}, len(first.bytes) + sum(b.nbytes for b in bufs))
+            self.held.hold(identity, who, {"h": header, "b": bufs, "r": rec},
+                           len(first.bytes) + sum(b.nbytes for b in bufs))
 
     def _drop(self, why: str) -> None:
         self.dropped += 1
@@ -716,14 +646,13 @@ class PeerNet:
         if reason is None:
             reason, new = self.claims.claim(identity, r, h.get("inc"), self.identity_of.get(r), self._replaced)
             if new:
-                self.neighbour_restarts += 1  # rounds in flight with either of them cannot complete
-                self.last_restart = reason
+                self.live.note_restart(None, reason)  # rounds in flight with either of them cannot complete
             if reason and r in self.identity_of:
                 # neither is accepted (their messages are held, then dropped): rank r counts as
                 # lost after peer_timeout and the ring goes on without it; before, the two
                 # displaced each other at every heartbeat, each time as a "restart" of rank r
                 self.identities.pop(self.identity_of.pop(r), None)
-                self.restart_seq[r] = self.neighbour_restarts
+                self.live.restart_seq[r] = self.live.neighbour_restarts
         if reason:
             self._drop(f"ping refused ({reason})")
             self._reply(identity, {"t": "refuse", "reason": reason})
@@ -739,9 +668,7 @@ class PeerNet:
                 self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
                 self._replaced.append(old)
                 # a restart: rounds in flight with r cannot complete (restarted_since, gone)
-                self.neighbour_restarts += 1
-                self.restart_seq[r] = self.neighbour_restarts
-                self.last_restart = f"rank {r} ({self.peers[r].address}) restarted (incarnation {h.get('inc')})"
+                self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted (incarnation {h.get('inc')})")
             self.identity_of[r] = identity
             self.identities[identity] = r
             # its numbering starts at this ping (what it sent before is held and released below)
@@ -750,10 +677,10 @@ class PeerNet:
         self.seen[r] = time.monotonic()
         self._note_info(r, h)
         if r == self.left.rank:
-            self.left_seen = self.seen[r]
+            self.live.left_seen = self.seen[r]
             lost = h.get("lost")
             if m.relays_lost:
-                self.left_reports = ({x for x in lost if isinstance(x, int) and 0 <= x < self.world}
+                self.live.left_reports = ({x for x in lost if isinstance(x, int) and 0 <= x < self.world}
                                      if isinstance(lost, list) else set())
         self._reply(identity, {"t": "pong", "rank": self.rank, **m.pong_fields(self)})
 

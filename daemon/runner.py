@@ -98,6 +98,9 @@ class StateStore:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.states: dict[tuple[str, str], CodecState] = {}
+        #: job -> why its codec state on this node may differ from the other nodes' (a state change
+        #: that failed after the round's release): every round of the job fails until a reset
+        self.diverged: dict[str, str] = {}
         self.uses = 0  #: codec rounds that asked for state: the clock of "least recently used"
         self.evicted = 0  #: states dropped to stay under the cap
         self.evicted_bytes = 0
@@ -140,6 +143,7 @@ class StateStore:
             self.states[(job, name)].rounds += 1
 
     def reset(self, job: str) -> int:
+        self.diverged.pop(job, None)  # every node starts the job from empty state again
         keys = [k for k in self.states if k[0] == job]
         for k in keys:
             del self.states[k]
@@ -149,7 +153,20 @@ class StateStore:
         """Drop every state (a new elastic membership epoch); returns how many there were."""
         n = len(self.states)
         self.states.clear()
+        self.diverged.clear()
         return n
+
+    def mark_diverged(self, job: str, why: str) -> None:
+        """The job's codec state on this node no longer matches the other nodes' (see
+        :meth:`RoundRunner.commit_released`): its states here are dropped, and :meth:`divergence`
+        names it until the job's state is reset on every node."""
+        self.diverged[job] = why
+        for k in [k for k in self.states if k[0] == job]:
+            del self.states[k]
+
+    def divergence(self, job: str) -> str | None:
+        """Why the job's rounds must fail on this node (None: they may run)."""
+        return self.diverged.get(job)
 
     def total_bytes(self) -> int:
         return sum(v.nbytes for v in self.states.values())
@@ -191,6 +208,9 @@ class RoundRunner:
         learns their total from the ring. ``defer_commit``: the round's codec-state change waits in
         ``rnd.commit_state`` for :meth:`commit` (the ring worker commits once every node holds the
         result); else it is committed here."""
+        diverged = self.states.divergence(rnd.job) if rnd.kind != "reset" else None
+        if diverged is not None:  # a round agreed before the state diverged (commit_released)
+            raise CodecError(diverged)
         self._run(rnd, transport, rank, world, counts)
         if not defer_commit:
             self.commit(rnd)
@@ -201,6 +221,29 @@ class RoundRunner:
         f, rnd.commit_state = rnd.commit_state, None
         if f is not None:
             f()
+
+    def commit_released(self, rnd: LocalRound, rank: int) -> str | None:
+        """Apply the codec-state change of a round whose result every node has released already; the
+        reason when it failed (logged here), else None.
+
+        The other nodes applied theirs, so a failure here leaves this node's state of the job
+        different from theirs, and every later round of a stateful codec would sum contributions
+        compressed against states the nodes do not share: results would differ in silence. Failing
+        the job's later rounds keeps every node's results bit-identical: this node fails each of them
+        in its description before any agreement (RingWorker._take_inbox), so the leader's verdict
+        fails it on every node with the reason, until ``client.reset_state()`` (a round every node
+        runs) starts the job's state from empty everywhere. Skipping the change instead, or keeping
+        the half-applied state, would let the next rounds succeed with a state no other node has."""
+        try:
+            self.commit(rnd)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the state unknown
+            log.exception("round %s: its codec-state change failed on this node", rnd.key)
+            why = (f"the codec state of job {rnd.job!r} on node rank {rank} failed to apply round {rnd.key}'s "
+                   f"change after the round's result was released ({exc!r}), so it may differ from the other "
+                   "nodes'; every call of the job fails until client.reset_state() resets it on every node")
+            self.states.mark_diverged(rnd.job, why)
+            return why
+        return None
 
     def _run(self, rnd: LocalRound, transport, rank: int, world: int, counts: list[int] | None) -> None:
         t0 = time.perf_counter()

@@ -466,6 +466,8 @@ class Daemon(Sessions, Calls):
             "bytes_received": self.net.bytes_received if self.net else 0,
             # from the left neighbour (elastic mode: any peer), on TCP connections that broke (PeerNet.take_gap)
             "messages_lost": self.net.messages_lost if self.net else 0,
+            # from peers, whose fields failed their record's checks (birdnet.messages.peer_record)
+            "peer_messages_malformed": self.net.malformed if self.net else 0,
             "client_connections": len(self.conns) if self.conns is not None else 0,
             "client_connections_dropped": self.conns.dropped if self.conns is not None else 0,
             "max_sessions": self.max_sessions,

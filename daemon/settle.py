@@ -189,13 +189,9 @@ class SettleBook:
 
 
 def book_of(net: Any) -> SettleBook:
-    """The net's settlement book, made at first use."""
-    book = getattr(net, "settle_book", None)
-    if book is None:
-        commits = getattr(net, "commits", None)
-        book = SettleBook(net.rank, net.world, (lambda k: commits.get(k, 0)) if commits is not None else (lambda k: 0))
-        net.settle_book = book
-    return book
+    """The settlement book of ``net`` (PeerNet.settle_book: the peer net owns it, as it owns the
+    commit counts the book reads and the socket questions are answered on)."""
+    return net.settle_book
 
 
 # -- answering a question (on the peer net's receive loop) -------------------------------------------

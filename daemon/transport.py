@@ -2,7 +2,8 @@
 
 :class:`RoundTransport` implements :class:`birdnet.ring.transport.Transport` over a PeerNet for one
 :class:`~birdnet.daemon.rounds.Round`: it tags the round's messages, returns the round's data and
-nothing else, and dispatches the control messages that arrive meanwhile by type (``handle_*``).
+nothing else, and hands every message that arrives meanwhile to its round (Round.handle: what each
+message does in each phase is said there once).
 One class for both rings: who the round's neighbours are is its round's ring (membership.py).
 """
 from __future__ import annotations
@@ -14,26 +15,18 @@ from typing import Any
 import zmq
 from birdnet.daemon import settle
 from birdnet.daemon.links import as_frame
-from birdnet.daemon.membership import FixedNeighbours, LaneGivenUp, RingNeighbours
-from birdnet.daemon.rounds import Phase, Round
+from birdnet.daemon.membership import FixedNeighbours, RingNeighbours
+from birdnet.daemon.rounds import Phase, Round, Step
 
-from birdnet import wire
 from birdnet.errors import PeerLostError, RoundAborted, RoundTimeoutError, ShutdownError
-from birdnet.messages import Abort
-
-
-def _earlier_of_job(other: Any, key: str) -> bool:
-    """Whether round key ``other`` is an earlier round of the same job as ``key`` ("job/seq")."""
-    a, b = wire.split_key(other), wire.split_key(key)
-    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
+from birdnet.messages import Commit, record_of
 
 
 class RoundTransport:
     """The :class:`~birdnet.ring.transport.Transport` a ring algorithm sees for one round: tags
-    messages with the round key and returns the round's data, nothing else. The control messages
-    that arrive meanwhile are dispatched by type to the ``handle_*`` methods (an abort of this
-    round fails it, a new start or a lane close gives it up, the rest is stale or another round's).
-    Its :class:`~birdnet.daemon.rounds.Round` says which round, on which ring (``neighbours``:
+    messages with the round key and returns the round's data, nothing else. The messages that
+    arrive meanwhile go to its round's state machine (Round.handle: an abort of this round fails it,
+    a new start or a lane close gives it up, the rest is stale or another round's). Its :class:`~birdnet.daemon.rounds.Round` says which round, on which ring (``neighbours``:
     FixedNeighbours by default, RingNeighbours in elastic mode) and since when; the rest is the same
     on both rings."""
 
@@ -59,15 +52,19 @@ class RoundTransport:
         self.settled_after_restart: str | None = None
         #: the net's gaps not yet taken (Numbering.gaps, the same dict)
         self._gaps = net.gaps
-        #: called with an ``abort`` of another round (RingWorker._on_abort_elsewhere)
-        self.on_other_abort: Any = None
-        self._handlers = {"data": self.handle_data, "abort": self.handle_abort, "start": self.handle_start,
-                          "lane": self.handle_lane, "go": self.handle_go, "commit": self.handle_commit}
-
     @property
     def interrupt(self) -> dict | None:
         """A ``start`` of another round that arrived meanwhile (the ring worker follows it next)."""
         return self.round.interrupt
+
+    @property
+    def on_other_abort(self) -> Any:
+        """Called with an ``abort`` of another round (RingWorker._on_abort_elsewhere; Round.handle_abort)."""
+        return self.round.on_other_abort
+
+    @on_other_abort.setter
+    def on_other_abort(self, f: Any) -> None:
+        self.round.on_other_abort = f
 
     def send(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> None:
         h = dict(header)
@@ -140,74 +137,18 @@ class RoundTransport:
                     f"{self.net.settings.peer_timeout} s")
             before = self.net.bytes_received
             msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval), data=True)
-            if msg is None or not nb.accepts(msg):
+            if msg is None:
                 continue
-            handler = self._handlers.get(msg["h"].get("t"))
-            if handler is None or not handler(msg):
+            step = self.round.handle(msg)
+            if step is not Step.TAKE:
+                if step is Step.COUNT:
+                    note_commit(self.net, record_of(msg))
                 continue
             # data that came after lost messages is not used; control messages are handled first
             # (a start or an abort of another round must not be lost with this one)
             self._check_gap()
             self.bytes_received += self.net.bytes_received - before
             return msg["h"], msg["b"]
-
-    # -- the round's messages, by type (each True only for data this round takes) -----------------
-    def handle_data(self, msg: dict[str, Any]) -> bool:
-        """This round's data from the left; anything else is stale (a message of an earlier,
-        failed round, or of a lane round given up)."""
-        h = msg["h"]
-        return self.neighbours.from_left(msg) and h.get("k") == self.key and bool(h.get("ln")) == self.lane
-
-    def handle_abort(self, msg: dict[str, Any]) -> bool:
-        """An abort of this round fails it; one of another round (fixed ring: it names its origin)
-        is the ring worker's to remember and pass on."""
-        a = Abort.from_header(msg["h"])
-        if a is None:
-            return False
-        if a.key in (self.key, None):
-            raise RoundAborted.of(a)
-        if a.origin is not None and self.neighbours.other_aborts and self.on_other_abort is not None:
-            self.on_other_abort(a)
-            if self.lane and _earlier_of_job(a.key, self.key):
-                # An earlier round of this job failed somewhere. The node that failed it closed
-                # its lane and joins this round only once it is agreed, so no node can finish a
-                # segment of it: give it up and run it agreed (the job loses no second call).
-                # (A later one's failure is only remembered: this round can still complete.)
-                raise LaneGivenUp(self.key)
-        return False
-
-    def handle_start(self, msg: dict[str, Any]) -> bool:
-        """The leader started an agreement: this round was abandoned upstream (a lane round: the
-        leader never joined it). The start is kept for the ring worker to follow."""
-        if not self.neighbours.from_left(msg):
-            return False
-        self.round.interrupt = msg
-        if self.lane:
-            raise LaneGivenUp(self.key)
-        raise RoundAborted(f"round {self.key} was abandoned upstream (a new round started)")
-
-    def handle_lane(self, msg: dict[str, Any]) -> bool:
-        """The leader closes the lane at this round (a lane round gives it up), or a node asks the
-        leader to close it while the leader is in the round already (it fails)."""
-        h = msg["h"]
-        if not self.neighbours.from_left(msg) or not self.lane:
-            return False
-        if h.get("req") and self.rank == 0:
-            raise RoundAborted(f"round {self.key} cannot run without an agreement: {h.get('req')}")
-        if h.get("k") == self.key and not h.get("req"):
-            raise LaneGivenUp(self.key)
-        return False
-
-    def handle_go(self, msg: dict[str, Any]) -> bool:
-        """A go during a data phase is an earlier agreement's, passed on late: stale."""
-        return False
-
-    def handle_commit(self, msg: dict[str, Any]) -> bool:
-        """A ``commit`` count from the left (see :meth:`await_commit`), kept for the round it names:
-        the left neighbour may finish a round and count before this node has read its last data."""
-        if self.neighbours.from_left(msg):
-            note_commit(self.net, msg["h"])
-        return False
 
     # -- the commit: a round's result is released only once every node of the ring holds it ------
     def await_commit(self, timeout: float) -> None:
@@ -229,30 +170,28 @@ class RoundTransport:
         if need < 1:
             return
         net, nb, key = self.net, self.neighbours, self.key
-        book = settle.book_of(net)  # settlement (daemon/settle.py): what this node tells askers
+        book = net.settle_book  # settlement (daemon/settle.py): what this node tells askers
         book.holding(key)
         deadline = time.monotonic() + timeout
         sent = 0
         later: list[dict] = []
 
         def take(msg: dict) -> None:
-            """A message that came during the commit: a count is kept, an abort of this round fails
-            it (its origin never held the result, or settled the round as failed), the rest waits."""
-            if not nb.accepts(msg):
-                return
-            h = msg["h"]
-            t = h.get("t")
-            if t == "commit":
-                if nb.from_left(msg):
-                    note_commit(net, h)
-            elif t == "abort":
-                a = Abort.from_header(h)
-                if a is not None and a.key in (key, None):
-                    book.aborted(key)
-                    raise RoundAborted.of(a)
+            """A message that came during the commit (Round.handle, phase committing): a count is
+            kept, an abort of this round fails it (its origin never held the result, or settled the
+            round as failed), other rounds' messages wait."""
+            try:
+                step = rd.handle(msg)
+            except RoundAborted:
+                book.aborted(key)
+                raise
+            if step is Step.COUNT:
+                note_commit(net, record_of(msg))
+            elif step is Step.LATER:
                 later.append(msg)
-            elif t != "lane":  # a lane message was handled as the poll received it
-                later.append(msg)
+
+        rd = self.round
+        rd.phase = Phase.COMMITTING
 
         try:
             while True:
@@ -312,7 +251,7 @@ class RoundTransport:
         ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
         wait for the count release too (or, asked already, settle and find this node's release)."""
         net, key = self.net, self.key
-        book = settle.book_of(net)
+        book = net.settle_book
         commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
         if restarted:
             self.settled_after_restart = f"{cause}: {why}"
@@ -331,11 +270,11 @@ class RoundTransport:
 MAX_COMMITS_KEPT = 256
 
 
-def note_commit(net: Any, h: dict[str, Any]) -> None:
-    """Keep the ``commit`` count ``h`` from the left neighbour (the highest per round)."""
-    key, c = h.get("k"), h.get("c")
-    if not isinstance(key, str) or not isinstance(c, int) or isinstance(c, bool) or not 0 < c < 1 << 20:
+def note_commit(net: Any, rec: Commit | None) -> None:
+    """Keep the ``commit`` count ``rec`` from the left neighbour (the highest per round)."""
+    if not isinstance(rec, Commit):
         return
+    key, c = rec.key, rec.count
     kept = getattr(net, "commits", None)
     if kept is None:
         return

@@ -250,12 +250,12 @@ def test_a_start_for_an_earlier_incarnation_is_ignored():
 
     from birdnet.daemon.elastic import ElasticRing
 
-    from birdnet.messages import Membership
+    from birdnet.messages import Membership, Start
     m = ElasticRing(None, rank=2, world=4)
     m.bind(SimpleNamespace(rank=2, incarnation="new", peers=list(range(4))))
     incs = {"0": "a", "1": "b", "3": "d"}
     stale = Membership(1, (0, 1, 2, 3), 0, (), {**incs, "2": "old"}).fields()
-    assert m.ring_of_start({"k": "job/2", **stale}, sender=1) is None
+    assert m.ring_of_start(Start.from_header({"t": "start", "k": "job/2", "descs": [], **stale}), sender=1) is None
     current = Membership(3, (0, 1, 2, 3), 0, (2,), {**incs, "2": "new"}).fields()
-    ring = m.ring_of_start({"k": "job/5", **current}, sender=1)
+    ring = m.ring_of_start(Start.from_header({"t": "start", "k": "job/5", "descs": [], **current}), sender=1)
     assert ring is not None and ring.members == (0, 1, 2, 3) and m.join_epoch == 3

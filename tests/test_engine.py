@@ -8,6 +8,7 @@ from birdnet.daemon.engine import Contribution, LocalRound, RoundRunner, StateSt
 from birdnet.codecs import get_codec
 from birdnet.config import Settings
 from birdnet.errors import PeerLostError
+from birdnet.messages import Start
 from birdnet.ring.transport import MemoryRing
 
 
@@ -114,7 +115,7 @@ def _follow_barrier(net_class, go, key):
     ref.append(w)
     barrier = LocalRound(job="j", seq=0, kind="barrier", desc={"kind": "barrier"}, parts=[])
     w.submit(barrier)
-    w._follow({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []})
+    w._follow(Start.from_header({"t": "start", "k": key, "descs": [[0, {"kind": "barrier", "count": 1}]], "more": []}))
     return net, done, barrier
 
 
@@ -226,3 +227,52 @@ def test_a_gathered_mean_divides_only_the_written_blocks_with_the_same_bits(para
             want = np.divide(runs["sum"][0][k], np.float32(world))
             assert runs["mean"][r][k].tobytes() == want.tobytes()
     assert np.count_nonzero(runs["mean"][0][0]) < n // 2  # the sparse case the fast path is for
+
+
+def test_a_codec_state_change_failing_after_release_fails_the_jobs_next_calls_until_reset():
+    """A node whose codec-state change fails after every node released the round's result holds a
+    state the others do not: its job's next call fails (CodecError, naming the cause and the fix)
+    in the node's description, so the leader's verdict fails it on every node, instead of summing
+    contributions compressed against different states in silence; a reset starts it again."""
+    from birdnet.daemon.agreement import description
+    from birdnet.daemon.engine import RingWorker
+
+    from birdnet.errors import CodecError
+
+    world, n = 2, 3000
+    rng = np.random.default_rng(3)
+    runners = [RoundRunner(Settings(), StateStore(1 << 30)) for _ in range(world)]
+    rounds = [[_round(0, "t", [rng.standard_normal(n).astype(np.float32)], "topk", {"density": 0.05})]
+              for _ in range(world)]
+    ring = MemoryRing(world)
+    ring.run(lambda t: runners[t.rank].run(rounds[t.rank][0], t, t.rank, world, [1] * world, defer_commit=True),
+             timeout=60)
+    assert runners[0].commit_released(rounds[0][0], 0) is None
+
+    def broken():
+        raise MemoryError("test: the state change could not be applied")
+
+    rounds[1][0].commit_state = broken
+    why = runners[1].commit_released(rounds[1][0], 1)
+    assert why is not None and "reset_state" in why and "node rank 1" in why
+    assert ("j", "t") not in runners[1].states.states  # the half-applied state is not kept
+
+    # the data path refuses a round agreed before the divergence
+    nxt = _round(1, "t", [rng.standard_normal(n).astype(np.float32)], "topk", {"density": 0.05})
+    with pytest.raises(CodecError, match="reset_state"):
+        runners[1].run(nxt, _BrokenLink(1, world), 1, world, [1] * world)
+
+    # a call handed over later fails in its description: every node's verdict fails it
+    done = []
+    w = RingWorker(Settings(), 1, world, _NetStandIn([], None), runners[1], done.append)
+    w.submit(nxt)
+    reset = LocalRound(job="j", seq=2, kind="reset", desc={"kind": "reset"}, parts=[])
+    w.submit(reset)
+    w._take_inbox()
+    d = description(1, w.ready[nxt.key])
+    assert d["error_class"] == "CodecError" and "reset_state" in d["error"]
+    assert w.ready[reset.key].error is None  # the way back is not refused
+
+    # the reset (run on every node) ends the divergence
+    runners[1].run(reset, _BrokenLink(1, world), 1, world, [1] * world)
+    assert runners[1].states.divergence("j") is None

@@ -227,7 +227,7 @@ def test_lane_transport_reactions():
                        "J/5", lane=True)
     with pytest.raises(LaneGivenUp):
         t.recv(soon)
-    start = {"h": {"t": "start", "k": "K/0"}, "b": []}
+    start = {"h": {"t": "start", "k": "K/0", "descs": []}, "b": []}
     t = RoundTransport(_StubNet([start]), "J/5", lane=True)
     with pytest.raises(LaneGivenUp):
         t.recv(soon)

@@ -13,6 +13,7 @@ from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
 from birdnet.errors import PeerLostError
 from birdnet.hosts import Peer
+from birdnet.messages import Start
 
 
 def dealer_to(ctx: zmq.Context, peer: Peer, identity: bytes, socks: list) -> zmq.Socket:
@@ -63,7 +64,7 @@ def test_messages_queued_before_a_reconnected_neighbours_first_ping_are_delivere
     next ping; dropping it hung the round (test_daemon_restarted_while_clients_idle)."""
     net, settings, left = ring
     d = left(b"r1-new")
-    d.send_multipart(wire.encode({"t": "start", "k": "j/0", "n": 1}))
+    d.send_multipart(wire.encode({"t": "start", "k": "j/0", "n": 1, "descs": []}))
     d.send_multipart(wire.encode({"t": "go", "k": "j/0"}))
     assert collect(net, 0.3) == []  # not yet accepted: held, not delivered
     d.send_multipart(ping(settings, "new"))
@@ -88,11 +89,11 @@ def test_held_messages_expire_and_an_earlier_incarnations_are_dropped(ring):
     assert collect(net, 0.3) == [] and net.dropped == 1
     # a connection that never pings: its messages are held at most peer_timeout, then dropped
     stranger = left(b"r1-stranger")
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j/1"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/1", "descs": []}))
     collect(net, 0.2)
     assert net.held.by_identity
     time.sleep(settings.peer_timeout + 0.1)
-    stranger.send_multipart(wire.encode({"t": "start", "k": "j/2"}))
+    stranger.send_multipart(wire.encode({"t": "start", "k": "j/2", "descs": []}))
     collect(net, 0.2)
     assert [m[2]["h"]["k"] for m in net.held.by_identity[b"r1-stranger"]] == ["j/2"]
     assert net.dropped == 2
@@ -131,7 +132,7 @@ def test_messages_to_the_right_neighbour_are_numbered_pings_too(ring):
         right.bind(net.right.endpoint())
         net.send({"t": "data", "k": "j/0"})
         net._send_ping()
-        net.send({"t": "start", "k": "j/1"})
+        net.send({"t": "start", "k": "j/1", "descs": []})
         got = []
         poller = zmq.Poller()
         poller.register(right, zmq.POLLIN)
@@ -243,7 +244,7 @@ def test_elastic_messages_are_numbered_per_destination(elastic):
     net, settings, _, listen = elastic
     to1, to2 = listen(1), listen(2)
     net.send({"t": "data", "k": "j/0"}, to=1)
-    net.send({"t": "start", "k": "j/1"}, to=2)
+    net.send({"t": "start", "k": "j/1", "descs": []}, to=2)
     net._send_ping()  # one to every node
     net.send({"t": "go", "k": "j/1"}, to=1)
     assert [(h["t"], h["q"]) for h in received(to1, 3)] == [("data", 1), ("ping", 2), ("go", 3)]
@@ -359,7 +360,7 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
 
     def follow(key: str) -> threading.Thread:
         msg = start(key)
-        t = threading.Thread(target=w._follow, args=(msg["h"], msg["from"]), daemon=True)
+        t = threading.Thread(target=w._follow, args=(Start.from_header(msg["h"]), msg["from"]), daemon=True)
         t.start()
         return t
 
@@ -367,7 +368,7 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     held("other", 2)
     # a daemon that has not been a member of an epoch yet (restarted) may get a start queued for its
     # previous life: its numbering is not the leader's, it keeps its rounds
-    w._overtaken("j/6", 1)
+    w.failures.overtaken("j/6", 1)
     assert "j/5" in w.ready and not finished
     m.epoch, m.members = 1, [0, 1, 2]
     t = follow("j/6")
@@ -385,15 +386,15 @@ def test_elastic_a_round_the_leader_has_gone_past_fails_at_once(elastic):
     assert not t.is_alive()
     # a start of a held round itself (the leader retried it) fails nothing: only earlier rounds go
     held("j", 8)
-    w._overtaken("j/8", 1)
+    w.failures.overtaken("j/8", 1)
     assert "j/8" in w.ready and "j/8" not in finished
     # a joiner whose call numbers are not aligned with the cluster's yet keeps its rounds
     held("k", 3)
     m.join_epoch, m.aligned = 1, set()
-    w._overtaken("k/7", 1)
+    w.failures.overtaken("k/7", 1)
     assert "k/3" in w.ready and "k/3" not in finished
     m.aligned = {"k"}
-    w._overtaken("k/7", 1)
+    w.failures.overtaken("k/7", 1)
     assert isinstance(finished.get("k/3"), RoundAborted)
     assert "other/2" in w.ready and "j/8" in w.ready
 
@@ -477,7 +478,7 @@ def test_a_data_phase_waits_on_the_router_alone_and_still_reads_pongs(ring):
         assert pongs >= 5  # heartbeat_interval 0.1 s: pings kept going out during the data phase
         # read within DATA_FULL_POLL_INTERVAL (0.1 s) and a ping interval of the last pong sent
         assert peers_module.DATA_FULL_POLL_INTERVAL <= 0.1
-        assert time.monotonic() - net.right_seen < 0.35
+        assert time.monotonic() - net.live.right_seen < 0.35
         assert polls["data"] > 2 * polls["all"] > 0  # mostly the ROUTER alone, every socket now and then
         d.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": 3}))
         tr = RoundTransport(net, "j/0")
@@ -564,3 +565,19 @@ def test_a_round_whose_commit_never_comes_fails_and_an_abort_fails_it_at_once(co
     with pytest.raises(PeerLostError, match="node rank 1: lost peer"):
         RoundTransport(net, "j/8").await_commit(5.0)
     assert time.monotonic() - t < 1.0
+
+
+def test_a_malformed_control_message_is_dropped_counted_and_the_net_keeps_serving(ring):
+    """Headers that pass the wire's checks but not their record's (a commit count that is no count,
+    a start without descriptions) are dropped where they arrive and counted; the next good message
+    is delivered."""
+    net, settings, left = ring
+    d = left(b"r1-x")
+    d.send_multipart(ping(settings, "x"))
+    for h in ({"t": "commit", "k": "j/0", "c": "many"}, {"t": "start", "k": "j/0", "descs": 3},
+              {"t": "commit", "k": "j/0", "c": 0}):
+        d.send_multipart(wire.encode(h))
+    d.send_multipart(wire.encode({"t": "commit", "k": "j/0", "c": 1}))
+    got = collect(net, 0.5)
+    assert [h["t"] for h in got] == ["commit"] and got[0]["c"] == 1
+    assert net.malformed == 3
