@@ -20,10 +20,10 @@ thread per worker) with the codec emulated in NumPy:
           rounded to the nearest of 127 (q8), 7 (q4) or 1 (q2: -1, 0, 1) steps a side; the running
           sum is quantised again at every hop of the ring (the worst case of a codec that forwards
           partial sums)
-``q2n``   2 bits without a zero level: +-0.5 and +-1.5 steps, the block's absolute maximum at 1.5
-          (four levels used where ``q2`` has three; not a ``lowbit`` option)
+``q2n``   ``lowbit`` bits 2 with ``midrise=True``: +-0.5 and +-1.5 steps, the block's absolute
+          maximum at 1.5 (four levels where ``q2`` has three, no zero)
 ``auto``  each sync with the codec ``bnt.DiLoCo`` names for it (so the warm-up syncs may differ):
-          ``none``, ``fp16``, or ``lowbit`` as ``q<bits>`` with its ``error_feedback``
+          ``none``, ``fp16``, or ``lowbit`` as ``q<bits>`` (``q2n``) with its ``error_feedback``
 
 So the steps to the target should be what ``birdnet bench tta`` measures for the same options (up
 to the codec's emulation); the time is not measured here (use the bench). Bytes per sync are
@@ -149,7 +149,12 @@ class _Client:
             if codec in ("none", "fp16"):
                 spec = (codec, 0, False)
             elif codec == "lowbit":
-                spec = ("q", int(params.get("bits", 8)), bool(params.get("error_feedback", True)))
+                bits = int(params.get("bits", 8))
+                if params.get("midrise"):
+                    if bits != 2:
+                        raise SystemExit("--codec auto emulates lowbit's midrise levels at 2 bits only (q2n)")
+                    bits = -2
+                spec = ("q", bits, bool(params.get("error_feedback", True)))
             else:
                 raise SystemExit(f"--codec auto emulates none, fp16 and lowbit, not {codec!r}")
         return self.coll.start(np.asarray(array, np.float32).reshape(-1), str(name), self.rank, spec)
