@@ -14,6 +14,7 @@ Layout of one encoded run (little-endian, the same on every architecture)::
 
     bytes [0, 2*nblocks)            the blocks' scales, uint16 each: the upper half of a float32
                                     (bfloat16), rounded *up* from absmax/qmax so |x|/s <= qmax
+                                    (midrise: from absmax/(half - 0.5))
     bytes [2*nblocks, nbytes)       the levels, q + qmax (midrise: q + half) as unsigned ``bits``-bit codes, packed
                                     8/bits to a byte, the first element in the lowest bits
 
