@@ -22,6 +22,7 @@ ALL = [
     ("birdplus", {"error_feedback": False, "scale": "exact", "gamma": 1}),
     ("lowbit", {}), ("lowbit", {"bits": 4}), ("lowbit", {"bits": 2, "block": 8}),
     ("lowbit", {"bits": 8, "error_feedback": False}), ("lowbit", {"bits": 4, "error_feedback": False, "block": 128}),
+    ("lowbit", {"bits": 2, "midrise": True}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for n, p in ALL]
 
@@ -76,7 +77,7 @@ def test_simulated_round_error_bound(name, params, n):
         elif name == "lowbit":
             # every hop rounds each element by at most half a step, a step at most
             # (1 + 2**-7) * (the block's max |partial sum|) / qmax: bounded by the block's max of sum |x_r|
-            qmax = 2 ** (codec.params["bits"] - 1) - 1
+            qmax = 2 ** (codec.params["bits"] - 1) - 1 + (0.5 if codec.params["midrise"] else 0)
             b = codec.params["block"]
             big = np.abs(np.array(xs, np.float64)).sum(axis=0)
             blockmax = np.repeat(np.maximum.reduceat(big, np.arange(0, n, b)), b)[:n]

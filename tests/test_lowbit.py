@@ -16,13 +16,14 @@ from birdnet.ring.transport import MemoryRing
 
 
 # -- NumPy reference of the format (birdnet/kernels/lowbit.py) -------------------------------------
-def ref_scale_bits(amax: np.ndarray, bits: int) -> np.ndarray:
+def ref_scale_bits(amax: np.ndarray, bits: int, midrise: bool = False) -> np.ndarray:
     out = []
+    top = np.float32(2 ** (bits - 1) - 0.5) if midrise else np.float32(2 ** (bits - 1) - 1)
     for a in amax.astype(np.float32):
         if not np.isfinite(a):
             out.append(K.NAN_SCALE)
             continue
-        s = np.float32(a / np.float32(2 ** (bits - 1) - 1))
+        s = np.float32(a / top)
         u = int(np.array([s], np.float32).view(np.uint32)[0])
         if u & 0xFFFF:
             u = (u | 0xFFFF) + 1
@@ -31,19 +32,24 @@ def ref_scale_bits(amax: np.ndarray, bits: int) -> np.ndarray:
     return np.array(out, np.uint16)
 
 
-def ref_encode(x: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+def ref_encode(x: np.ndarray, bits: int, block: int, midrise: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(bytes, values they stand for), element by element."""
     n = x.shape[0]
     qmax = 2 ** (bits - 1) - 1
     nb = -(-n // block)
     amax = np.array([np.abs(x[b * block:(b + 1) * block]).max() for b in range(nb)], np.float32)
-    sb = ref_scale_bits(amax, bits)
+    sb = ref_scale_bits(amax, bits, midrise)
     scales = (sb.astype(np.uint32) << 16).view(np.float32)
     per = 8 // bits
     codes = np.zeros(-(-n * bits // 8), np.uint8)
     deq = np.empty(n, np.float32)
     for i in range(n):
         s = scales[i // block]
+        if midrise:
+            q = int(np.clip(np.floor(np.float32(x[i] / s)), -qmax - 1, qmax)) if np.isfinite(s) and s > 0 else 0
+            codes[i // per] |= (q + qmax + 1) << ((i % per) * bits)
+            deq[i] = np.float32(np.float32(q + 0.5) * s)
+            continue
         if np.isfinite(s) and s > 0:
             q = int(np.clip(np.rint(np.float32(x[i] / s)), -qmax, qmax))
         else:
@@ -58,32 +64,36 @@ def data(n, seed=0):
     return (rng.standard_normal(n) * rng.exponential(1.0, n)).astype(np.float32)
 
 
+@pytest.mark.parametrize("midrise", [False, True])
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("n,block", [(1, 8), (7, 8), (64, 64), (1000, 64), (1003, 128), (5000, 1024)])
-def test_encode_decode_match_the_reference(bits, n, block):
+def test_encode_decode_match_the_reference(bits, n, block, midrise):
     x = data(n, n)
     x[0] = 0.0
     if n > 3:
-        x[3] = -x[3] * 1e-30  # tiny: rounds to level 0
-    want, want_deq = ref_encode(x, bits, block)
+        x[3] = -x[3] * 1e-30  # tiny: rounds to level 0 (midrise: to -0.5 step)
+    want, want_deq = ref_encode(x, bits, block, midrise)
     deq = np.empty(n, np.float32)
     res = np.full(n + 5, 7.0, np.float32)
-    got = K.encode(x, bits, block, deq=deq, residual=res, res_off=5)
+    got = K.encode(x, bits, block, deq=deq, residual=res, res_off=5, midrise=midrise)
     np.testing.assert_array_equal(got, want)
     assert got.shape[0] == K.nbytes(n, bits, block)
     np.testing.assert_array_equal(deq.view(np.uint32), want_deq.view(np.uint32))  # -0.0 is never written
     np.testing.assert_array_equal(res[5:], x - want_deq)
     assert np.all(res[:5] == 7.0)
     out = np.empty(n, np.float32)
-    K.decode(got, bits, block, out)
+    K.decode(got, bits, block, out, midrise=midrise)
     np.testing.assert_array_equal(out.view(np.uint32), deq.view(np.uint32))
     own = data(n, 99)
-    K.decode(got, bits, block, out, own)
+    K.decode(got, bits, block, out, own, midrise=midrise)
     np.testing.assert_array_equal(out, deq + own)
     # one quantisation: each value within half a step, the step within 2**-7 of absmax/qmax
-    qmax = 2 ** (bits - 1) - 1
+    # (midrise: absmax / (qmax + 0.5)), and midrise never sends a 0 where the block is not all 0
+    qmax = 2 ** (bits - 1) - 1 + (0.5 if midrise else 0)
     bmax = np.repeat(np.maximum.reduceat(np.abs(x), np.arange(0, n, block)), block)[:n]
     assert np.all(np.abs(deq - x) <= 0.5 * bmax / qmax * (1 + 2 ** -7) * (1 + 1e-6))
+    if midrise:
+        assert np.all((deq != 0) == (bmax > 0))
 
 
 def test_scales_keep_float32_range_and_nonfinite_blocks_decode_to_nan():
@@ -111,28 +121,28 @@ def test_kernel_wrappers_reject_bad_arrays():
 
 
 # -- the ring ------------------------------------------------------------------------------------
-def ring(xs, bits, block, residuals=None, chunk_bytes=256, tag=None):
+def ring(xs, bits, block, residuals=None, chunk_bytes=256, tag=None, midrise=False):
     world = len(xs)
     mr = MemoryRing(world)
-    wires = [LowbitWire(bits, block, None if residuals is None else residuals[r]) for r in range(world)]
+    wires = [LowbitWire(bits, block, None if residuals is None else residuals[r], midrise) for r in range(world)]
     outs = mr.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=30.0, wire=wires[t.rank],
                                            chunk_bytes=chunk_bytes, tag=(tag or [{}] * world)[t.rank]))
     return outs, [t.bytes_sent for t in mr.transports]
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits,midrise", [(8, False), (4, False), (2, False), (4, True), (2, True)])
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("n", [0, 5, 64, 1000, 20_011])
-def test_ring_bit_identical_within_the_hop_bound(world, n, bits):
+def test_ring_bit_identical_within_the_hop_bound(world, n, bits, midrise):
     block = 64
     xs = [data(n, 10 * r + n) for r in range(world)]
-    outs, sent = ring(xs, bits, block)
+    outs, sent = ring(xs, bits, block, midrise=midrise)
     for o in outs[1:]:
         np.testing.assert_array_equal(o.view(np.uint32), outs[0].view(np.uint32))
     exact = np.sum(np.array(xs, np.float64), axis=0) if n else np.zeros(0)
     # world encodings of a partial sum per element (world-1 hops, the owner's), each off by at most
     # half a step of (1 + 2**-7) * its block's max |partial sum| / qmax <= that of sum |x_r| (+ earlier errors)
-    qmax = 2 ** (bits - 1) - 1
+    qmax = 2 ** (bits - 1) - 1 + (0.5 if midrise else 0)
     if n:
         big = np.abs(np.array(xs, np.float64)).sum(axis=0)
         bmax = np.repeat(np.maximum.reduceat(big, np.arange(0, n, block)), block)[:n]
@@ -146,10 +156,11 @@ def test_ring_bit_identical_within_the_hop_bound(world, n, bits):
         assert lo <= np.mean(sent) <= hi + 2 * (world - 1), (sent, lo, hi)
 
 
+@pytest.mark.parametrize("bits,midrise", [(4, False), (2, True)])
 @pytest.mark.parametrize("world", [1, 3, 4])
-def test_ring_error_feedback_loses_nothing(world):
+def test_ring_error_feedback_loses_nothing(world, bits, midrise):
     # every node encodes every element once a round: the results plus the residuals are the inputs
-    n, bits, block = 3001, 4, 64
+    n, block = 3001, 64
     res = [np.zeros(n, np.float32) for _ in range(world)]
     sent_total = np.zeros(n)
     inputs = np.zeros(n)
@@ -158,7 +169,7 @@ def test_ring_error_feedback_loses_nothing(world):
         inputs += np.sum(np.array(xs, np.float64), axis=0)
         fed = [x + v for x, v in zip(xs, res)]
         new = [np.full(n, np.nan, np.float32) for _ in range(world)]
-        outs, _ = ring(fed, bits, block, new)
+        outs, _ = ring(fed, bits, block, new, midrise=midrise)
         assert not any(np.isnan(v).any() for v in new), "an element's residual was not written"
         res = new
         sent_total += outs[0]
@@ -184,9 +195,10 @@ def ctx(n, rank=0, world=1):
 
 
 def test_parameters_are_checked_with_a_fix():
-    assert get_codec("lowbit").params == {"bits": 8, "block": 64, "error_feedback": True}
+    assert get_codec("lowbit").params == {"bits": 8, "block": 64, "error_feedback": True, "midrise": False}
     for bad, needle in [({"bits": 3}, "8, 4 or 2"), ({"bits": True}, "8, 4 or 2"), ({"block": 12}, "multiple of 8"),
                         ({"block": 1 << 20}, "multiple of 8"), ({"error_feedback": "yes"}, "True or False"),
+                        ({"midrise": 1}, "midrise must be True or False"),
                         ({"bitz": 4}, "bits")]:
         with pytest.raises(CodecError, match=needle):
             get_codec("lowbit", **bad)
@@ -219,6 +231,7 @@ def test_any_bytes_of_the_right_length_decode_without_harm(bits):
     out = np.empty(n, np.float32)
     K.decode(buf, bits, block, out)
     K.decode(buf, bits, block, out, out)
+    K.decode(buf, bits, block, out, midrise=True)
     assert out.shape == (n,)
 
 

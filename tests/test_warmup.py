@@ -72,10 +72,12 @@ def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, s
 
 
 def test_lowbit_warmed_at_its_defaults_covers_other_bits_and_no_error_feedback():
-    # the start-up list has lowbit once: its kernels take bits and the residual as arguments
+    # the start-up list has lowbit once: its kernels take bits, midrise and the residual as arguments
     test_a_warmed_configuration_compiles_nothing_more_in_rounds(
         "lowbit", {"bits": 2, "block": 8, "error_feedback": False}, (5000,), warm_as={})
     test_a_warmed_configuration_compiles_nothing_more_in_rounds("lowbit", {"bits": 4}, (5000,), warm_as={})
+    test_a_warmed_configuration_compiles_nothing_more_in_rounds("lowbit", {"bits": 2, "midrise": True}, (5000,),
+                                                                warm_as={})
 
 
 def test_the_warm_up_command_stamps_what_it_compiled(tmp_path):

@@ -5,11 +5,17 @@ shorter). Each block gets one scale ``s`` and each value a signed integer level
 ``q = rint(x / s)`` in ``[-qmax, qmax]``, ``qmax = 2**(bits-1) - 1`` (127, 7 or 1: symmetric, so
 0 is exact and no zero point is sent). The value it stands for is ``float32(q) * s``.
 
+``midrise``: the levels sit between the steps instead, ``q = floor(x / s)`` in
+``[-half, half - 1]``, ``half = 2**(bits-1)``, standing for ``(float32(q) + 0.5) * s``, with
+``s = absmax / (half - 0.5)``: every code is used (2 bits: four values, +-0.5 s and +-1.5 s, where
+the symmetric levels have three, -s, 0, s) and no value rounds to 0, so every value keeps its sign.
+
 Layout of one encoded run (little-endian, the same on every architecture)::
 
     bytes [0, 2*nblocks)            the blocks' scales, uint16 each: the upper half of a float32
                                     (bfloat16), rounded *up* from absmax/qmax so |x|/s <= qmax
-    bytes [2*nblocks, nbytes)       the levels, q + qmax as unsigned ``bits``-bit codes, packed
+                                    (midrise: from absmax/(half - 0.5))
+    bytes [2*nblocks, nbytes)       the levels, q + qmax (midrise: q + half) as unsigned ``bits``-bit codes, packed
                                     8/bits to a byte, the first element in the lowest bits
 
 Why a bfloat16 scale: float32's exponent range (a block of pseudo-gradients of 1e-9 or of
@@ -61,12 +67,19 @@ def _absmax(src, block, amax):
 
 
 @njit(cache=True, parallel=True)
-def _quantise(src, bits, block, scales, out, deq, residual, res_off):
+def _quantise(src, bits, block, scales, out, deq, residual, res_off, midrise):
     # out[2*nb:] = packed levels; deq / residual when given (see encode)
     n = src.shape[0]
     nb = scales.shape[0]
     qmax = (1 << (bits - 1)) - 1
     fq = np.float32(qmax)
+    lo_q = -fq  # the lowest level; midrise: -half
+    off = qmax  # code = level + off
+    mid = np.float32(0.0)  # added to the level before the scale; midrise: 0.5
+    if midrise:
+        lo_q = np.float32(-(qmax + 1))
+        off = qmax + 1
+        mid = np.float32(0.5)
     per = 8 // bits
     base = 2 * nb
     want_deq = deq.shape[0] == n
@@ -85,14 +98,15 @@ def _quantise(src, bits, block, scales, out, deq, residual, res_off):
                     break
                 q = np.float32(0.0)
                 if usable:
-                    q = np.rint(src[i] / s)
+                    q = np.floor(src[i] / s) if midrise else np.rint(src[i] / s)
                     if q > fq:
                         q = fq
-                    elif q < -fq:
-                        q = -fq
+                    elif q < lo_q:
+                        q = lo_q
                 level = np.int64(q)
-                byte |= (level + qmax) << (t * bits)
-                d = np.float32(level) * s  # from the integer, as _dequantise: -0.0 rounds to level 0, +0.0
+                byte |= (level + off) << (t * bits)
+                # from the integer, as _dequantise: -0.0 rounds to level 0, +0.0 (adding 0.0 is exact)
+                d = (np.float32(level) + mid) * s
                 if want_res:
                     residual[res_off + i] = src[i] - d
                 if want_deq:
@@ -101,10 +115,12 @@ def _quantise(src, bits, block, scales, out, deq, residual, res_off):
 
 
 @njit(cache=True, parallel=True)
-def _dequantise(buf, bits, block, scales, own, out):
+def _dequantise(buf, bits, block, scales, own, out, midrise):
     n = out.shape[0]
     nb = scales.shape[0]
     qmax = (1 << (bits - 1)) - 1
+    off = qmax + 1 if midrise else qmax
+    mid = np.float32(0.5) if midrise else np.float32(0.0)
     per = 8 // bits
     mask = (1 << bits) - 1
     base = 2 * nb
@@ -119,18 +135,19 @@ def _dequantise(buf, bits, block, scales, own, out):
                 i = j * per + t
                 if i >= hi:
                     break
-                d = np.float32(((byte >> (t * bits)) & mask) - qmax) * s
+                d = (np.float32(((byte >> (t * bits)) & mask) - off) + mid) * s
                 if add:
                     out[i] = d + own[i]
                 else:
                     out[i] = d
 
 
-def scale_bits(amax: np.ndarray, bits: int) -> np.ndarray:
-    """The blocks' scales as bfloat16 bits (uint16): absmax / qmax in float32, rounded up to the
-    next bfloat16; NAN_SCALE for a NaN absmax or a scale past float32's range."""
+def scale_bits(amax: np.ndarray, bits: int, midrise: bool = False) -> np.ndarray:
+    """The blocks' scales as bfloat16 bits (uint16): absmax / qmax (midrise: absmax / (half - 0.5))
+    in float32, rounded up to the next bfloat16; NAN_SCALE for a NaN absmax or a scale past float32's range."""
+    top = np.float32((1 << (bits - 1)) - 0.5) if midrise else np.float32((1 << (bits - 1)) - 1)
     with np.errstate(invalid="ignore"):
-        s = amax / np.float32((1 << (bits - 1)) - 1)
+        s = amax / top
     u = s.view(np.uint32)
     u = np.where(u & 0xFFFF, (u | np.uint32(0xFFFF)) + np.uint32(1), u) >> np.uint32(16)
     u[u >= 0x7F80] = NAN_SCALE  # NaN, or rounded up to Inf
@@ -152,7 +169,7 @@ def _check_params(bits: int, block: int) -> None:
 
 
 def encode(src: np.ndarray, bits: int, block: int, *, deq: np.ndarray | None = None,
-           residual: np.ndarray | None = None, res_off: int = 0) -> np.ndarray:
+           residual: np.ndarray | None = None, res_off: int = 0, midrise: bool = False) -> np.ndarray:
     """Encode ``src`` (float32) into a new uint8 array of :func:`nbytes` bytes.
 
     ``deq``: receives the values the encoding stands for (may be ``src`` itself). ``residual``:
@@ -172,14 +189,15 @@ def encode(src: np.ndarray, bits: int, block: int, *, deq: np.ndarray | None = N
         nb = -(-n // block)
         amax = np.empty(nb, np.float32)
         _absmax(src, block, amax)
-        sb = scale_bits(amax, bits)
+        sb = scale_bits(amax, bits, midrise)
         out[:2 * nb] = sb.astype("<u2").view(np.uint8)
         _quantise(src, bits, block, scales_of(sb), out, _EMPTY if deq is None else deq,
-                  _EMPTY if residual is None else residual, res_off)
+                  _EMPTY if residual is None else residual, res_off, bool(midrise))
     return out
 
 
-def decode(buf: np.ndarray, bits: int, block: int, out: np.ndarray, own: np.ndarray | None = None) -> None:
+def decode(buf: np.ndarray, bits: int, block: int, out: np.ndarray, own: np.ndarray | None = None,
+           midrise: bool = False) -> None:
     """``out`` (float32, the run's length) = the values ``buf`` encodes (+ ``own``, one float32
     addition per element, when given; ``own`` may be ``out``)."""
     _check_params(bits, block)
@@ -191,4 +209,4 @@ def decode(buf: np.ndarray, bits: int, block: int, out: np.ndarray, own: np.ndar
     if n:
         nb = -(-n // block)
         sb = buf[:2 * nb].view("<u2")
-        _dequantise(buf, bits, block, scales_of(sb), _EMPTY if own is None else own, out)
+        _dequantise(buf, bits, block, scales_of(sb), _EMPTY if own is None else own, out, bool(midrise))

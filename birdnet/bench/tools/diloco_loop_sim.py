@@ -3,21 +3,27 @@
     python -m birdnet.bench.tools.diloco_loop_sim                                     # DiLoCo's defaults
     python -m birdnet.bench.tools.diloco_loop_sim --opts '{"overlap": false}' --steps 400
     python -m birdnet.bench.tools.diloco_loop_sim --codec q8 --block 64 --ef          # a low-bit codec, emulated
+    python -m birdnet.bench.tools.diloco_loop_sim --codec auto                        # the codecs bnt.DiLoCo picks
     python -m birdnet.bench.tools.diloco_loop_sim --overlap-from-step 64 --codec fp16  # the H=16 syncs overlapped
     python -m birdnet.bench.tools.diloco_loop_sim --ddp --steps 600                   # gradients averaged every step
 
-The task, the batches, the evaluation and the target are ``birdnet bench tta --task lm``'s (seed 0,
-4 ranks; target 1.7875, Gloo DDP's loss after 300 steps x 1.02 on the idle VM), and the outer loop
+The task, the batches, the evaluation and the target are ``birdnet bench tta --task lm``'s (``--seed``,
+default 0; 4 ranks; target Gloo DDP's loss after 300 steps x 1.02 on the idle VM: 1.7875 for seed 0), and the outer loop
 is the real one (``bnt.DiLoCo`` over ``birdnet.client.diloco.OuterLoop``, with ``--opts`` as its
 keywords): only the all-reduce is replaced, by an in-process mean of the 4 workers' buffers (one
 thread per worker) with the codec emulated in NumPy:
 
 ``none``  the exact mean in float32
 ``fp16``  the ring's float16 partial sums: every hop rounds the running sum to float16
-``q8``, ``q4``  block quantisation: each worker's buffer (plus its error-feedback residual with
+``q8``, ``q4``, ``q2``  block quantisation: each worker's buffer (plus its error-feedback residual with
           ``--ef``) in blocks of ``--block`` values, each block scaled by its absolute maximum and
-          rounded to the nearest of 127 (q8) or 7 (q4) steps a side; the running sum is quantised
-          again at every hop of the ring (the worst case of a codec that forwards partial sums)
+          rounded to the nearest of 127 (q8), 7 (q4) or 1 (q2: -1, 0, 1) steps a side; the running
+          sum is quantised again at every hop of the ring (the worst case of a codec that forwards
+          partial sums)
+``q2n``   ``lowbit`` bits 2 with ``midrise=True``: +-0.5 and +-1.5 steps, the block's absolute
+          maximum at 1.5 (four levels where ``q2`` has three, no zero)
+``auto``  each sync with the codec ``bnt.DiLoCo`` names for it (so the warm-up syncs may differ):
+          ``none``, ``fp16``, or ``lowbit`` as ``q<bits>`` (``q2n``) with its ``error_feedback``
 
 So the steps to the target should be what ``birdnet bench tta`` measures for the same options (up
 to the codec's emulation); the time is not measured here (use the bench). Bytes per sync are
@@ -34,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-TARGET = 1.7875
+#: the target of each seed: Gloo DDP's loss after 300 steps x 1.02 (docs/slowlink.md, Time to target)
+TARGETS = {0: 1.7875, 1: 1.8049, 2: 1.8005}
 
 
 class _Handle:
@@ -58,9 +65,12 @@ class _Collective:
         self.done: dict[tuple, tuple[np.ndarray, int]] = {}
         self.residual: dict[tuple[str, int], np.ndarray] = {}
         self.calls: dict[tuple[str, int], int] = {}
+        self.spec: dict[str, tuple] = {}  # with codec "auto": each name's (codec, bits, ef) as OuterLoop asked
 
-    def start(self, buf: np.ndarray, name: str, rank: int) -> _Handle:
+    def start(self, buf: np.ndarray, name: str, rank: int, spec: tuple = ()) -> _Handle:
         with self.cv:
+            if spec:
+                self.spec[name] = spec
             n = self.calls.get((name, rank), 0)
             self.calls[(name, rank)] = n + 1
             key = (name, n)
@@ -75,11 +85,15 @@ class _Collective:
                 self.done[key] = self._reduce(key[0], [self.bufs[key][r] for r in range(self.world)])
             return self.done[key][0].copy(), self.done[key][1]
 
-    def _q(self, x: np.ndarray) -> np.ndarray:
-        levels = 127.0 if self.codec == "q8" else 7.0
+    def _q(self, x: np.ndarray, levels: float) -> np.ndarray:
         n = x.size
         pad = (-n) % self.block
         xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, self.block)
+        if levels < 0:  # "q2n": 4 levels without a zero, +-0.5 and +-1.5 steps, the largest at the block's max
+            scale = np.abs(xb).max(axis=1, keepdims=True) / 1.5
+            scale[scale == 0] = 1.0
+            q = np.clip(np.floor(xb / scale) + 0.5, -1.5, 1.5) * scale
+            return q.reshape(-1)[:n].astype(np.float32)
         scale = np.abs(xb).max(axis=1, keepdims=True) / levels
         scale[scale == 0] = 1.0
         q = np.round(xb / scale) * scale
@@ -87,31 +101,35 @@ class _Collective:
 
     def _reduce(self, name: str, xs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         n = xs[0].size
-        if self.codec == "none":
+        codec, qbits, ef = self.codec, {"q8": 8, "q4": 4, "q2": 2, "q2n": -2}.get(self.codec, 0), self.ef
+        if codec == "auto":
+            codec, qbits, ef = self.spec[name]
+        if codec == "none":
             s = np.zeros(n, np.float32)
             for x in xs:
                 s += x
             bits = 32
-        elif self.codec == "fp16":
+        elif codec == "fp16":
             s = xs[0].astype(np.float16).astype(np.float32)
             for x in xs[1:]:
                 s = (s + x.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
             bits = 16
         else:
+            levels = -1.0 if qbits == -2 else float(2 ** (qbits - 1) - 1)
             qs = []
             for r, x in enumerate(xs):
-                if self.ef:
+                if ef:
                     e = self.residual.setdefault((name, r), np.zeros(n, np.float32))
                     y = x + e
-                    q = self._q(y)
+                    q = self._q(y, levels)
                     e[...] = y - q
                 else:
-                    q = self._q(x)
+                    q = self._q(x, levels)
                 qs.append(q)
             s = qs[0]
             for q in qs[1:]:
-                s = self._q(s + q)
-            bits = (8 if self.codec == "q8" else 4) + 16.0 / self.block  # a float16 scale per block
+                s = self._q(s + q, levels)
+            bits = abs(qbits) + 16.0 / self.block  # a 16-bit scale per block
         mean = (s / np.float32(self.world)).astype(np.float32)
         nbytes = int(2 * (self.world - 1) / self.world * n * bits / 8)
         return mean, nbytes
@@ -127,7 +145,20 @@ class _Client:
         return np.zeros(shape, dtype)
 
     def allreduce_async(self, array, *, op="mean", name=None, codec=None, **params) -> _Handle:
-        return self.coll.start(np.asarray(array, np.float32).reshape(-1), str(name), self.rank)
+        spec: tuple = ()
+        if self.coll.codec == "auto":
+            if codec in ("none", "fp16"):
+                spec = (codec, 0, False)
+            elif codec == "lowbit":
+                bits = int(params.get("bits", 8))
+                if params.get("midrise"):
+                    if bits != 2:
+                        raise SystemExit("--codec auto emulates lowbit's midrise levels at 2 bits only (q2n)")
+                    bits = -2
+                spec = ("q", bits, bool(params.get("error_feedback", True)))
+            else:
+                raise SystemExit(f"--codec auto emulates none, fp16 and lowbit, not {codec!r}")
+        return self.coll.start(np.asarray(array, np.float32).reshape(-1), str(name), self.rank, spec)
 
     def reset_state(self, timeout=None) -> None:
         pass
@@ -137,14 +168,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--opts", default="{}", help="bnt.DiLoCo keywords as JSON (sync_every as a list)")
     ap.add_argument("--set", default="{}", help="birdnet.client.diloco module constants to set first, as JSON")
-    ap.add_argument("--codec", default="q8", choices=["none", "fp16", "q8", "q4"],
-                    help="the emulated codec; q8 without --ef stands for the default, lowbit bits 8")
+    ap.add_argument("--codec", default="q8", choices=["auto", "none", "fp16", "q8", "q4", "q2", "q2n"],
+                    help="the emulated codec for every sync; auto: the one bnt.DiLoCo names for each sync "
+                    "(none, fp16, or lowbit as qB with its bits and error feedback)")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--ef", action="store_true", help="error feedback on the workers' quantisation (q8/q4)")
     ap.add_argument("--steps", type=int, default=320)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--target", type=float, default=TARGET)
+    ap.add_argument("--seed", type=int, default=0, help="the task's seed (data, initial model), as the bench's --seeds")
+    ap.add_argument("--target", type=float, default=None, help="default: the seed's (0-2: TARGETS)")
     ap.add_argument("--overlap-from-step", type=int, default=0, help="from this step on, overlap=True (the syncs "
                     "applied half an interval late, mixed): e.g. 64, the default schedule's first H=16 sync on")
     ap.add_argument("--ddp", action="store_true", help="no DiLoCo: the gradients of the 4 shards averaged every step "
@@ -162,7 +195,11 @@ def main() -> None:
     opts = json.loads(a.opts)
     if isinstance(opts.get("sync_every"), list):
         opts["sync_every"] = tuple(tuple(x) if isinstance(x, list) else x for x in opts["sync_every"])
-    task = make_task("lm", 0)
+    if a.target is None:
+        if a.seed not in TARGETS:
+            raise SystemExit(f"--seed {a.seed}: no known target; give --target")
+        a.target = TARGETS[a.seed]
+    task = make_task("lm", a.seed)
     W = a.world
     if a.ddp:
         ddp(task, a)
@@ -170,12 +207,12 @@ def main() -> None:
     coll = _Collective(W, a.codec, a.block, a.ef)
     models, opts_ = [], []
     for r in range(W):
-        torch.manual_seed(0)
+        torch.manual_seed(a.seed)
         m = task.model()
         inner = task.optimizer(m.parameters(), task.lr)
         models.append(m)
         opts_.append(bnt.DiLoCo(inner, named_parameters=m.named_parameters(), client=_Client(coll, r), **opts))
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     evalm = task.model()
     curve: list[tuple[int, float]] = []
     sent = [0] * W
@@ -224,7 +261,7 @@ def main() -> None:
         raise errors[0]
     hit = next((s for s, v in curve if v <= a.target), None)
     at = {s: v for s, v in curve}
-    print(json.dumps({"opts": a.opts, "set": a.set, "codec": a.codec, "block": a.block, "ef": a.ef,
+    print(json.dumps({"seed": a.seed, "opts": a.opts, "set": a.set, "codec": a.codec, "block": a.block, "ef": a.ef,
                       "steps_to_target": hit, "syncs": opts_[0].outer_loop.syncs,
                       "mb_per_node": round(max(sent) / 1e6, 2), "loss_300": at.get(300),
                       "loss_at_end": curve[-1][1] if curve else None, "curve": curve,
@@ -235,7 +272,7 @@ def ddp(task, a) -> None:
     """One model, each step's gradient the mean of the W shards' (DDP's arithmetic, one process)."""
     import torch
     t0 = time.time()
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     m = task.model()
     opt = task.optimizer(m.parameters(), task.lr)
     curve = []
