@@ -244,6 +244,16 @@ class OuterLoop:
         self._started = False
         self.snapshot()
 
+    def settings(self) -> dict[str, Any]:
+        """The settings in force with every default resolved (the codec of the warm-up syncs and of
+        the later ones, the schedule, the outer optimizer): what a log or a benchmark record should
+        keep, since "the defaults" change between releases."""
+        return {"sync_every": self.schedule.describe(), "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov,
+                "fragments": len(self.fragments), "overlap": {-1: True, 0: False}.get(self.delay, self.delay),
+                "codec": self.codec, "codec_params": dict(self.codec_params),
+                "warmup_codec": self.warmup_codec, "warmup_codec_params": dict(self.warmup_codec_params)}
+
     # -- state ------------------------------------------------------------------------------------
     def snapshot(self) -> None:
         """Take the current arrays as the outer parameters (after the processes made them identical,

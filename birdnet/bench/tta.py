@@ -199,6 +199,8 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
         opt.flush()  # DiLoCo with overlap: the syncs in flight applied, as at the end of training
     out = {"rank": rank, "history": history, "step_times": step_times,
            "digest": _outer_digest(opt) if hasattr(opt, "outer_loop") else params_digest(model)}
+    if hasattr(opt, "outer_loop"):
+        out["settings"] = opt.outer_loop.settings()  # the defaults as resolved, kept with the row
     if client is not None:
         client.close()
     elif kind != "solo":
@@ -290,8 +292,11 @@ def merge_ranks(outs: list[dict[str, Any]]) -> dict[str, Any]:
         curve.append(e)
     steps = [max(o["step_times"][s] for o in outs) for s in range(min(len(o["step_times"]) for o in outs))]
     steady = steps[min(5, len(steps) - 1):] if steps else [float("nan")]
-    return {"curve": curve, "median_step_s": statistics.median(steady), "mean_step_s": statistics.fmean(steady),
-            "identical": identical([o["digest"] for o in outs])}
+    merged = {"curve": curve, "median_step_s": statistics.median(steady), "mean_step_s": statistics.fmean(steady),
+              "identical": identical([o["digest"] for o in outs])}
+    if "settings" in outs[0]:
+        merged["settings"] = outs[0]["settings"]
+    return merged
 
 
 def node_bytes(e: dict[str, Any]) -> int | None:
