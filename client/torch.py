@@ -130,6 +130,7 @@ from birdnet.client._torch_broadcast import _client, broadcast_optimizer_state, 
 from birdnet.client._torch_diloco import DiLoCo
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
 from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
+    _SIGN_CODECS,
     _SMALL_TENSOR,
     ADAM_REFRESH_CODEC,
     ADAM_REFRESH_STEPS,
@@ -137,6 +138,7 @@ from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: publi
     ADAM_WARMUP_STEPS,
     ADAM_WARMUP_WINDOW,
     MOMENTUM_CODECS,
+    SIGN_MERGE,
     _Recipes,
 )
 
@@ -224,16 +226,25 @@ class _Bucket:
 
 
 class _Merged:
-    """One dense round carrying several buckets of a sign-codec Adam group while it warms up.
+    """One round carrying several buckets of a sign-codec Adam group (runs of them, at most
+    ``bucket_bytes``): the members are copied into one shared-memory array, reduced in one round,
+    and copied back (:class:`_MemberHandle`).
 
-    After the warm-up each tensor of such a group travels in a bucket of its own (one sign scale
-    each); during the warm-up they all travel dense, and one round per tensor would cost a round
+    During the warm-up (``kind="warm"``) they travel dense: one round per tensor would cost a round
     trip of the ring per tensor, each small enough that the daemons send it gathered (N-1 copies
-    of the whole tensor instead of the ring's 2(N-1)/N): at 4 nodes twice the ring's bytes. So
-    the members are copied into one shared-memory array, reduced in one round (the ring's bytes,
-    one round trip), and copied back."""
+    of the whole tensor instead of the ring's 2(N-1)/N): at 4 nodes twice the ring's bytes.
 
-    def __init__(self, index: int, members: list[_Bucket]) -> None:
+    After it (``kind="sign"``, the big tensors only) they travel with the sign codec in one round
+    instead of one per tensor: on a node every round runs its own ring schedule after the
+    previous one (2(N-1) hops and a commit), so a step of 11 tensors cost 11 of them. The codec
+    has one scale per round, and one scale for tensors of different gradient size would step the
+    ones with small gradients many times Adam's step; so each member travels divided by its own
+    unit, the mean RMS gradient of its frozen second moment (``birdnet_unit`` in the optimizer
+    state, fixed at the first compressed step, the same on every process), and is multiplied by
+    it on the way back: one scale for a round whose members are all of about unit size. The
+    codec's state (momentum, compensation) is the round's, under its name, in those units."""
+
+    def __init__(self, index: int, members: list[_Bucket], kind: str = "warm") -> None:
         self.members = members
         self.offsets: dict[int, int] = {}
         n = 0
@@ -244,7 +255,7 @@ class _Merged:
         self.array: np.ndarray | None = None
         self.handle: Handle | None = None
         self.waited = False  # the round's result is in ``array``
-        self.name = f"warm/{index}/{members[0].entries[0][0]}"
+        self.name = f"{kind}/{index}/{members[0].entries[0][0]}"
 
     def allocate(self, client: Client) -> None:
         self.array = client.buffer((self.numel,), self.members[0].dtype)
@@ -257,11 +268,12 @@ class _Merged:
 
 class _MemberHandle:
     """A member bucket's view of a :class:`_Merged` round: ``wait()`` waits for the round (once)
-    and copies the member's part back into its own array; the round's figures are the last
-    member's (the others report 0 bytes, so summing ``last_stats`` counts the round once)."""
+    and copies the member's part back into its own array (times ``unit``, the member's travel
+    unit, when it is not 1); the round's figures are the last member's (the others report 0
+    bytes, so summing ``last_stats`` counts the round once)."""
 
-    def __init__(self, merged: _Merged, b: _Bucket) -> None:
-        self.merged, self.b = merged, b
+    def __init__(self, merged: _Merged, b: _Bucket, unit: float = 1.0) -> None:
+        self.merged, self.b, self.unit = merged, b, unit
         self.stats: dict[str, Any] = {}
 
     def wait(self, timeout: float | None = None) -> None:
@@ -269,7 +281,10 @@ class _MemberHandle:
         if m.handle is not None and not m.waited:
             m.handle.wait(timeout)
             m.waited = True
-        np.copyto(self.b.array, m.slice(self.b))
+        if self.unit != 1.0:
+            np.multiply(m.slice(self.b), self.b.dtype.type(self.unit), out=self.b.array)
+        else:
+            np.copyto(self.b.array, m.slice(self.b))
         st = m.handle.stats if m.handle is not None else {}
         last = self.b is m.members[-1]
         self.stats = dict(st, merged_into=m.name) if last else {
@@ -347,7 +362,9 @@ class _DistributedOptimizer(_Recipes):
                 self._bn_of[id(p)] = b
         #: bucket index -> the merged round it joins while its group warms up (_Merged)
         self._bn_merge_of: dict[int, _Merged] = self._make_merges(int(bucket_bytes))
-        for m in {id(m): m for m in self._bn_merge_of.values()}.values():
+        #: bucket index -> the merged round its big tensor travels in with the sign codec after the warm-up
+        self._bn_sign_of: dict[int, _Merged] = self._make_merges(int(bucket_bytes), "sign") if SIGN_MERGE else {}
+        for m in {id(m): m for d in (self._bn_merge_of, self._bn_sign_of) for m in d.values()}.values():
             m.allocate(client)
         self._bn_counts: dict[int, int] = {}
         self._bn_next = 0  # index of the next bucket to submit
@@ -428,12 +445,14 @@ class _DistributedOptimizer(_Recipes):
             b.dense = True
         return buckets
 
-    def _make_merges(self, bucket_bytes: int) -> dict[int, _Merged]:
+    def _make_merges(self, bucket_bytes: int, kind: str = "warm") -> dict[int, _Merged]:
         """Runs of consecutive buckets of one sign-codec Adam group (same dtype and device), at most
-        ``bucket_bytes`` each, that travel as one dense round during the warm-up (:class:`_Merged`)."""
+        ``bucket_bytes`` each, that travel as one round (:class:`_Merged`): ``"warm"``, dense
+        during the warm-up, all of the group's buckets; ``"sign"``, with the codec after it, the
+        big tensors' buckets (not the small tensors' dense one)."""
         runs: list[list[_Bucket]] = []
         for b in self._bn_buckets:
-            if not self._own_scale(b.group) or self._bn_warmup == 0:
+            if not self._own_scale(b.group) or (kind == "warm" and self._bn_warmup == 0) or (kind == "sign" and b.dense):
                 continue
             last = runs[-1] if runs else None
             if (last is not None and last[-1].index == b.index - 1 and last[-1].group == b.group
@@ -446,7 +465,7 @@ class _DistributedOptimizer(_Recipes):
         for k, run in enumerate(runs):
             if len(run) < 2:
                 continue
-            m = _Merged(k, run)
+            m = _Merged(k, run, kind)
             for b in run:
                 out[b.index] = m
         return out
@@ -556,7 +575,17 @@ class _DistributedOptimizer(_Recipes):
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
         if self._warming_up(g) or b.dense:
             codec, params = self._small_codec(b), {}
-        b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
+        s = self._bn_sign_of.get(b.index)
+        if s is not None and codec in _SIGN_CODECS:
+            # one sign round for the run, each member in its own unit (_Merged)
+            unit = self._sign_unit(g, b.entries[0][1])
+            np.divide(b.array, b.dtype.type(unit), out=s.slice(b))
+            b.handle = _MemberHandle(s, b, unit)  # type: ignore[assignment]
+            if b is s.members[-1]:
+                s.waited = False
+                s.handle = self._bn_client.allreduce_async(s.array, op="mean", name=s.name, codec=codec, **params)
+        else:
+            b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
         if b.refresh:  # right after the codec's round, in the same order on every process
             b.var_handle = self._bn_client.allreduce_async(b.var_array, op="mean", name="var" + b.name[4:],
                                                            codec=self._refresh_codec())
@@ -630,8 +659,9 @@ class _DistributedOptimizer(_Recipes):
             b.var_scale.clear()
             b.half_scale.clear()
             b.events.clear()
-        for m in self._bn_merge_of.values():
-            m.handle = None
+        for d in (self._bn_merge_of, self._bn_sign_of):
+            for m in d.values():
+                m.handle = None
         self._bn_counts.clear()
         self._bn_next = 0
 
