@@ -29,7 +29,8 @@ from :meth:`Client.buffer`, seen from torch through ``torch.from_numpy`` (no cop
 post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) copies each
 gradient into its slice of the bucket as soon as autograd has it; when a bucket is full it is handed
 to the daemon with :meth:`Client.allreduce_async` under a stable name (the bucket's index and first
-parameter name), so compressing codecs keep their error-feedback state per bucket.
+parameter name), so compressing codecs keep their error-feedback state per bucket (the buckets of
+a sign-codec Adam group travel merged, under the merged round's name: Optimizer recipes).
 
 Buckets are submitted in a fixed order (bucket *k* only after buckets 0..k-1), whatever order the
 hooks fire in: the daemon matches calls across processes by their sequence number, so every
@@ -85,10 +86,16 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     a block sent often lost most of its step: at density 1.0, all but 1 - beta1 of it).
     Automatic warm-up (``warmup_steps=None``): dense until the bias-corrected second moment has
     settled (its relative L1 change over 8 steps at most 0.3), 40 steps at most. With a sign codec
-    (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
-    elements travels in a bucket of its own, since one scale for the whole model, divided by each
-    coordinate's denominator, steps the tensors with small gradients many times Adam's step; the
-    small ones share a dense bucket, float16 after the warm-up (``SMALL_TENSOR_CODEC``).
+    (``marsit``, ``signcascade``, ``efsign``: one scale per round) each tensor of >= 1024
+    elements has a bucket of its own, since one scale for tensors of different gradient size,
+    divided by each coordinate's denominator, steps the ones with small gradients many times
+    Adam's step; the small ones share a dense bucket, float16 after the warm-up
+    (``SMALL_TENSOR_CODEC``). The buckets still travel together: during the warm-up all of them
+    in one dense round, after it the big ones in one round of the codec (up to ``bucket_bytes``),
+    each divided by its own unit, the mean RMS gradient of its frozen second moment
+    (``birdnet_unit``, fixed at the first compressed step), and multiplied back, so one scale fits
+    them all (``SIGN_MERGE``; the codec's state in the daemon is that round's, named
+    ``sign/<k>/<first tensor>``). A step then costs two rounds, not one per tensor.
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
     selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
     the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
@@ -256,14 +263,24 @@ class _Merged:
         self.handle: Handle | None = None
         self.waited = False  # the round's result is in ``array``
         self.name = f"{kind}/{index}/{members[0].entries[0][0]}"
+        #: the members' variance refreshes (_Bucket.var), in one round too; made at the first
+        self.var_array: np.ndarray | None = None
+        self.var_handle: Handle | None = None
+        self.var_waited = False
+        self.var_name = f"var-{kind}/{index}/{members[0].entries[0][0]}"
 
     def allocate(self, client: Client) -> None:
         self.array = client.buffer((self.numel,), self.members[0].dtype)
         self.array[...] = 0
 
-    def slice(self, b: _Bucket) -> np.ndarray:
+    def allocate_var(self, client: Client) -> None:
+        if self.var_array is None:
+            self.var_array = client.buffer((self.numel,), self.members[0].dtype)
+            self.var_array[...] = 0
+
+    def slice(self, b: _Bucket, var: bool = False) -> np.ndarray:
         off = self.offsets[b.index]
-        return self.array[off:off + max(b.numel, 1)]
+        return (self.var_array if var else self.array)[off:off + max(b.numel, 1)]
 
 
 class _MemberHandle:
@@ -272,23 +289,29 @@ class _MemberHandle:
     unit, when it is not 1); the round's figures are the last member's (the others report 0
     bytes, so summing ``last_stats`` counts the round once)."""
 
-    def __init__(self, merged: _Merged, b: _Bucket, unit: float = 1.0) -> None:
-        self.merged, self.b, self.unit = merged, b, unit
+    def __init__(self, merged: _Merged, b: _Bucket, unit: float = 1.0, var: bool = False) -> None:
+        self.merged, self.b, self.unit, self.var = merged, b, unit, var
         self.stats: dict[str, Any] = {}
 
     def wait(self, timeout: float | None = None) -> None:
-        m = self.merged
-        if m.handle is not None and not m.waited:
-            m.handle.wait(timeout)
-            m.waited = True
+        m, b = self.merged, self.b
+        h = m.var_handle if self.var else m.handle
+        if h is not None and not (m.var_waited if self.var else m.waited):
+            h.wait(timeout)
+            if self.var:
+                m.var_waited = True
+            else:
+                m.waited = True
+        dst = b.var_array if self.var else b.array
         if self.unit != 1.0:
-            np.multiply(m.slice(self.b), self.b.dtype.type(self.unit), out=self.b.array)
+            np.multiply(m.slice(b, self.var), b.dtype.type(self.unit), out=dst)
         else:
-            np.copyto(self.b.array, m.slice(self.b))
-        st = m.handle.stats if m.handle is not None else {}
-        last = self.b is m.members[-1]
-        self.stats = dict(st, merged_into=m.name) if last else {
-            "codec": st.get("codec", "none"), "bytes_sent": 0, "merged_into": m.name}
+            np.copyto(dst, m.slice(b, self.var))
+        st = h.stats if h is not None else {}
+        name = m.var_name if self.var else m.name
+        last = b is m.members[-1]
+        self.stats = dict(st, merged_into=name) if last else {
+            "codec": st.get("codec", "none"), "bytes_sent": 0, "merged_into": name}
 
 
 def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested here
@@ -581,11 +604,19 @@ class _DistributedOptimizer(_Recipes):
             unit = self._sign_unit(g, b.entries[0][1])
             np.divide(b.array, b.dtype.type(unit), out=s.slice(b))
             b.handle = _MemberHandle(s, b, unit)  # type: ignore[assignment]
+            if b.refresh:  # the raw gradient (its own power-of-two scale), not divided by the unit
+                s.allocate_var(self._bn_client)
+                np.copyto(s.slice(b, var=True), b.var_array)
+                b.var_handle = _MemberHandle(s, b, var=True)  # type: ignore[assignment]
             if b is s.members[-1]:
                 s.waited = False
                 s.handle = self._bn_client.allreduce_async(s.array, op="mean", name=s.name, codec=codec, **params)
-        else:
-            b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
+                if any(x.refresh for x in s.members):  # every member refreshes at the same step
+                    s.var_waited = False
+                    s.var_handle = self._bn_client.allreduce_async(s.var_array, op="mean", name=s.var_name,
+                                                                   codec=self._refresh_codec())
+            return
+        b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
         if b.refresh:  # right after the codec's round, in the same order on every process
             b.var_handle = self._bn_client.allreduce_async(b.var_array, op="mean", name="var" + b.name[4:],
                                                            codec=self._refresh_codec())
@@ -661,7 +692,7 @@ class _DistributedOptimizer(_Recipes):
             b.events.clear()
         for d in (self._bn_merge_of, self._bn_sign_of):
             for m in d.values():
-                m.handle = None
+                m.handle = m.var_handle = None
         self._bn_counts.clear()
         self._bn_next = 0
 
@@ -802,8 +833,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     bucket_bytes : int
         Largest bucket in bytes (a single larger parameter gets a bucket of its own). An Adam/AdamW
         group with a sign codec (``marsit``, ``signcascade``, ``efsign``) gives each parameter of at
-        least 1024 elements a bucket of its own (one sign scale per tensor), its smaller ones
-        share dense buckets.
+        least 1024 elements a bucket of its own (its own unit, so one sign scale fits), its smaller
+        ones share dense buckets; its buckets travel together in rounds of at most ``bucket_bytes``.
     client : Client, optional
         The connection to use; else one from :func:`init` (``socket``, ``job``).
     momentum_in_codec : bool or None
