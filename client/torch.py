@@ -93,7 +93,7 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     (``SMALL_TENSOR_CODEC``). The buckets still travel together: during the warm-up all of them
     in one dense round, after it the big ones in one round of the codec (up to ``bucket_bytes``),
     each divided by its own unit, the mean RMS gradient of its frozen second moment
-    (``birdnet_unit``, fixed at the first compressed step), and multiplied back, so one scale fits
+    (``birdnet_unit``, recomputed after each refresh), and multiplied back, so one scale fits
     them all (``SIGN_MERGE``; the codec's state in the daemon is that round's, named
     ``sign/<k>/<first tensor>``). A step then costs two rounds, not one per tensor.
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
@@ -247,8 +247,8 @@ class _Merged:
     has one scale per round, and one scale for tensors of different gradient size would step the
     ones with small gradients many times Adam's step; so each member travels divided by its own
     unit, the mean RMS gradient of its frozen second moment (``birdnet_unit`` in the optimizer
-    state, fixed at the first compressed step, the same on every process), and is multiplied by
-    it on the way back: one scale for a round whose members are all of about unit size. The
+    state, the same on every process, recomputed after each variance refresh), and is multiplied
+    by it on the way back: one scale for a round whose members are all of about unit size. The
     codec's state (momentum, compensation) is the round's, under its name, in those units."""
 
     def __init__(self, index: int, members: list[_Bucket], kind: str = "warm") -> None:

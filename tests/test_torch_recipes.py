@@ -495,13 +495,15 @@ def adamw_worker(sock, node, local, codec):
         data = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(STEPS)]
         codecs, digests, refreshes, refresh_codecs, merged = [], [], [], [], []
         saved = None
-        units = []
+        units, got_units = [], []
         for s, (x, y) in enumerate(data):
-            if s == WARM:  # the first compressed step fixes each big tensor's travel unit (_sign_unit)
+            if s == WARM:  # the first compressed step sets each big tensor's travel unit (_sign_unit)
                 units = [_mean_rms(opt, p) for p in model.parameters() if p.numel() >= 1024]
             if s == SAVE:
                 saved = (flat(model), opt.state_dict(), sched.state_dict())
             one_step(model, opt, sched, x, y)
+            if s == WARM:
+                got_units = [opt.state[p].get("birdnet_unit") for p in model.parameters() if p.numel() >= 1024]
             codecs.append(sorted({st["codec"] for st in opt.last_stats}))
             refreshes.append([st["name"] for st in opt.last_stats if st["name"].startswith("var/")])
             refresh_codecs.append([st["codec"] for st in opt.last_stats if st["name"].startswith("var/")])
@@ -529,8 +531,8 @@ def adamw_worker(sock, node, local, codec):
         for x, y in data[SAVE:]:
             one_step(model2, opt2, sched2, x, y)
             replay.append(digest(model2))
-        got_units = [opt.state[p].get("birdnet_unit") for p in model.parameters() if p.numel() >= 1024]
-        return {"rank": client.rank, "codecs": codecs, "units": units, "got_units": got_units, "digests": digests, "replay": replay, "refreshes": refreshes,
+        return {"rank": client.rank, "codecs": codecs, "units": units, "got_units": got_units,
+                "digests": digests, "replay": replay, "refreshes": refreshes,
                 "merged": merged,
                 "refresh_codecs": refresh_codecs,
                 "warmup": opt.birdnet_warmup_steps, "warmup_after_restore": opt2.birdnet_warmup_steps,
@@ -556,7 +558,7 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
         assert all(c == ["fp16", "marsit"] for c in a["codecs"][WARM:])
         # during the warm-up the per-tensor buckets and the small tensors' travel as one dense
         # round (the ring's bytes, one round trip); after it the big tensors travel in one marsit
-        # round, each in its own unit (the mean RMS gradient of its second moment when it froze)
+        # round, each in its own unit (the mean RMS gradient of its frozen second moment)
         assert a["merged"][:WARM] == [["warm/0/2.weight"]] * WARM
         # (the refreshes of both in one float16 round too, at WARM + 1 and WARM + 3)
         sign, var = ["sign/0/2.weight"], ["sign/0/2.weight", "var-sign/0/2.weight"]
@@ -573,7 +575,9 @@ def test_adamw_compressed_on_real_daemons_is_bit_identical(tmp_path, codec):
     assert a["digests"] == b["digests"], "the processes' parameters differ"
     assert a["replay"] == b["replay"], "after the restore the processes' parameters differ"
     assert a["round_trip"] == STEPS
-    assert a["coded"] == (["birdnet_carry", "birdnet_carry_weight", "birdnet_coded", "birdnet_unit"] if codec == "marsit"
+    # (marsit's travel units are not in the final state: the refresh of the last step dropped them,
+    # to be recomputed from the refreshed second moment at the next compressed step)
+    assert a["coded"] == (["birdnet_carry", "birdnet_carry_weight", "birdnet_coded"] if codec == "marsit"
                           else ["birdnet_coded"])
     # the model trained (parameters changed every step)
     assert len(set(a["digests"])) == STEPS
