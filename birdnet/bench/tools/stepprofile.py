@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         cmds.append([*prefixes[r], sys.executable, "-m", "birdnet.bench.tools.stepprofile",
                                      "--worker", json.dumps(spec)])
                     outs = sorted(rank_results(cmds, 1800, "stepprofile"), key=lambda o: o["rank"])
-                    results[f"sign_merge={merge}"] = (outs, os.getloadavg()[0])
+                    results[f"{k}: sign_merge={merge}"] = (outs, os.getloadavg()[0])
         finally:
             if nsc is not None:
                 nsc.__exit__(None, None, None)
