@@ -68,6 +68,10 @@ _CAPPED_CODECS = frozenset({"bird", "birdplus"})
 #: of its own. On the transformer (200 steps, seed 0) one bucket for the whole model left marsit at
 #: 1.964 nats/byte, a bucket per tensor at 1.900, dense's 1.899
 _SIGN_CODECS = frozenset({"marsit", "signcascade", "efsign"})
+#: after the warm-up the big tensors of such a group travel in one round (up to ``bucket_bytes``),
+#: each divided by its own unit (:meth:`_Recipes._sign_unit`) so one scale fits them all, instead of
+#: one round each (False: one round each; docs/slowlink.md, "Per-step codecs")
+SIGN_MERGE = True
 #: Adam groups: the small tensors travel apart, dense (_small_apart)
 _SMALL_APART = True
 #: SGD groups whose small tensors travel apart too: the block-selecting codecs
@@ -179,6 +183,27 @@ class _Recipes:
             bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
             denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
         return denom
+
+    def _sign_unit(self, g: dict[str, Any], p: torch.Tensor) -> float:
+        """The unit ``p``'s gradient travels in when it shares a sign round with other tensors:
+        the mean over its coordinates of sqrt(v / bc2), the RMS gradient of Adam's frozen second
+        moment, kept in the state (``birdnet_unit``: a checkpoint or a broadcast of the state carries
+        it) until a refresh moves v (:meth:`_refresh_variance` drops it). Frozen at the first
+        compressed step for the whole run, the units lagged the tensors' gradients as they changed
+        apart: tta transformer, loopback, 300 steps, seed 0: 1.811 against 1.774 with a round per
+        tensor; following the refreshes 1.762 (the codec's state, in the old unit, is then off by
+        the ratio for the few steps its momentum remembers). Summed in float64 by NumPy from
+        identical state: the same on every process."""
+        st = self.state.get(p)
+        if not st or "exp_avg_sq" not in st:
+            return 1.0  # no gradient yet (an unused parameter): it sends zeros; Adam's state stays empty
+        unit = st.get("birdnet_unit")
+        if unit is None:
+            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
+            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])
+            r = float(np.sqrt(v.detach().to("cpu", torch.float64).numpy().reshape(-1) / bc2).mean()) if v.numel() else 0.0
+            unit = st["birdnet_unit"] = r if r > 0.0 and np.isfinite(r) else 1.0
+        return float(unit)
 
     def _warming_up(self, g: dict[str, Any]) -> bool:
         codec = g.get("birdnet_codec", self._bn_codec)
@@ -370,6 +395,7 @@ class _Recipes:
         else:
             st["step"] = t
         self._bn_denom.pop(id(p), None)  # the next update divides by the refreshed denominator
+        st.pop("birdnet_unit", None)  # and a merged sign round's unit follows it (_sign_unit)
 
     def _restart_carry(self) -> None:
         """After a restore: the saved momentum estimate becomes the carry, and the daemons' codec

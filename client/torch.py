@@ -29,7 +29,8 @@ from :meth:`Client.buffer`, seen from torch through ``torch.from_numpy`` (no cop
 post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``, torch >= 2.1) copies each
 gradient into its slice of the bucket as soon as autograd has it; when a bucket is full it is handed
 to the daemon with :meth:`Client.allreduce_async` under a stable name (the bucket's index and first
-parameter name), so compressing codecs keep their error-feedback state per bucket.
+parameter name), so compressing codecs keep their error-feedback state per bucket (the buckets of
+a sign-codec Adam group travel merged, under the merged round's name: Optimizer recipes).
 
 Buckets are submitted in a fixed order (bucket *k* only after buckets 0..k-1), whatever order the
 hooks fire in: the daemon matches calls across processes by their sequence number, so every
@@ -85,10 +86,16 @@ error feedback delays. So, for a compressing codec with a ``momentum`` parameter
     a block sent often lost most of its step: at density 1.0, all but 1 - beta1 of it).
     Automatic warm-up (``warmup_steps=None``): dense until the bias-corrected second moment has
     settled (its relative L1 change over 8 steps at most 0.3), 40 steps at most. With a sign codec
-    (``marsit``, ``signcascade``, ``efsign``: one scale per bucket) each tensor of >= 1024
-    elements travels in a bucket of its own, since one scale for the whole model, divided by each
-    coordinate's denominator, steps the tensors with small gradients many times Adam's step; the
-    small ones share a dense bucket, float16 after the warm-up (``SMALL_TENSOR_CODEC``).
+    (``marsit``, ``signcascade``, ``efsign``: one scale per round) each tensor of >= 1024
+    elements has a bucket of its own, since one scale for tensors of different gradient size,
+    divided by each coordinate's denominator, steps the ones with small gradients many times
+    Adam's step; the small ones share a dense bucket, float16 after the warm-up
+    (``SMALL_TENSOR_CODEC``). The buckets still travel together: during the warm-up all of them
+    in one dense round, after it the big ones in one round of the codec (up to ``bucket_bytes``),
+    each divided by its own unit, the mean RMS gradient of its frozen second moment
+    (``birdnet_unit``, recomputed after each refresh), and multiplied back, so one scale fits
+    them all (``SIGN_MERGE``; the codec's state in the daemon is that round's, named
+    ``sign/<k>/<first tensor>``). A step then costs two rounds, not one per tensor.
     Weight decay: decoupled for AdamW (``p *= 1 - lr * wd``), added to ``m`` for Adam. For the
     selecting codecs (``topk``, ``dgc``, ``randomk``, ``bird``, ``birdplus``) the gradient enters
     the codec divided by the frozen denominator and leaves multiplied by it (linear, because the
@@ -130,6 +137,7 @@ from birdnet.client._torch_broadcast import _client, broadcast_optimizer_state, 
 from birdnet.client._torch_diloco import DiLoCo
 from birdnet.client._torch_dtypes import NUMPY_TO_TORCH, wire_dtype
 from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: public
+    _SIGN_CODECS,
     _SMALL_TENSOR,
     ADAM_REFRESH_CODEC,
     ADAM_REFRESH_STEPS,
@@ -137,6 +145,7 @@ from birdnet.client._torch_recipes import (  # noqa: F401 - the constants: publi
     ADAM_WARMUP_STEPS,
     ADAM_WARMUP_WINDOW,
     MOMENTUM_CODECS,
+    SIGN_MERGE,
     _Recipes,
 )
 
@@ -224,16 +233,25 @@ class _Bucket:
 
 
 class _Merged:
-    """One dense round carrying several buckets of a sign-codec Adam group while it warms up.
+    """One round carrying several buckets of a sign-codec Adam group (runs of them, at most
+    ``bucket_bytes``): the members are copied into one shared-memory array, reduced in one round,
+    and copied back (:class:`_MemberHandle`).
 
-    After the warm-up each tensor of such a group travels in a bucket of its own (one sign scale
-    each); during the warm-up they all travel dense, and one round per tensor would cost a round
+    During the warm-up (``kind="warm"``) they travel dense: one round per tensor would cost a round
     trip of the ring per tensor, each small enough that the daemons send it gathered (N-1 copies
-    of the whole tensor instead of the ring's 2(N-1)/N): at 4 nodes twice the ring's bytes. So
-    the members are copied into one shared-memory array, reduced in one round (the ring's bytes,
-    one round trip), and copied back."""
+    of the whole tensor instead of the ring's 2(N-1)/N): at 4 nodes twice the ring's bytes.
 
-    def __init__(self, index: int, members: list[_Bucket]) -> None:
+    After it (``kind="sign"``, the big tensors only) they travel with the sign codec in one round
+    instead of one per tensor: on a node every round runs its own ring schedule after the
+    previous one (2(N-1) hops and a commit), so a step of 11 tensors cost 11 of them. The codec
+    has one scale per round, and one scale for tensors of different gradient size would step the
+    ones with small gradients many times Adam's step; so each member travels divided by its own
+    unit, the mean RMS gradient of its frozen second moment (``birdnet_unit`` in the optimizer
+    state, the same on every process, recomputed after each variance refresh), and is multiplied
+    by it on the way back: one scale for a round whose members are all of about unit size. The
+    codec's state (momentum, compensation) is the round's, under its name, in those units."""
+
+    def __init__(self, index: int, members: list[_Bucket], kind: str = "warm") -> None:
         self.members = members
         self.offsets: dict[int, int] = {}
         n = 0
@@ -244,36 +262,56 @@ class _Merged:
         self.array: np.ndarray | None = None
         self.handle: Handle | None = None
         self.waited = False  # the round's result is in ``array``
-        self.name = f"warm/{index}/{members[0].entries[0][0]}"
+        self.name = f"{kind}/{index}/{members[0].entries[0][0]}"
+        #: the members' variance refreshes (_Bucket.var), in one round too; made at the first
+        self.var_array: np.ndarray | None = None
+        self.var_handle: Handle | None = None
+        self.var_waited = False
+        self.var_name = f"var-{kind}/{index}/{members[0].entries[0][0]}"
 
     def allocate(self, client: Client) -> None:
         self.array = client.buffer((self.numel,), self.members[0].dtype)
         self.array[...] = 0
 
-    def slice(self, b: _Bucket) -> np.ndarray:
+    def allocate_var(self, client: Client) -> None:
+        if self.var_array is None:
+            self.var_array = client.buffer((self.numel,), self.members[0].dtype)
+            self.var_array[...] = 0
+
+    def slice(self, b: _Bucket, var: bool = False) -> np.ndarray:
         off = self.offsets[b.index]
-        return self.array[off:off + max(b.numel, 1)]
+        return (self.var_array if var else self.array)[off:off + max(b.numel, 1)]
 
 
 class _MemberHandle:
     """A member bucket's view of a :class:`_Merged` round: ``wait()`` waits for the round (once)
-    and copies the member's part back into its own array; the round's figures are the last
-    member's (the others report 0 bytes, so summing ``last_stats`` counts the round once)."""
+    and copies the member's part back into its own array (times ``unit``, the member's travel
+    unit, when it is not 1); the round's figures are the last member's (the others report 0
+    bytes, so summing ``last_stats`` counts the round once)."""
 
-    def __init__(self, merged: _Merged, b: _Bucket) -> None:
-        self.merged, self.b = merged, b
+    def __init__(self, merged: _Merged, b: _Bucket, unit: float = 1.0, var: bool = False) -> None:
+        self.merged, self.b, self.unit, self.var = merged, b, unit, var
         self.stats: dict[str, Any] = {}
 
     def wait(self, timeout: float | None = None) -> None:
-        m = self.merged
-        if m.handle is not None and not m.waited:
-            m.handle.wait(timeout)
-            m.waited = True
-        np.copyto(self.b.array, m.slice(self.b))
-        st = m.handle.stats if m.handle is not None else {}
-        last = self.b is m.members[-1]
-        self.stats = dict(st, merged_into=m.name) if last else {
-            "codec": st.get("codec", "none"), "bytes_sent": 0, "merged_into": m.name}
+        m, b = self.merged, self.b
+        h = m.var_handle if self.var else m.handle
+        if h is not None and not (m.var_waited if self.var else m.waited):
+            h.wait(timeout)
+            if self.var:
+                m.var_waited = True
+            else:
+                m.waited = True
+        dst = b.var_array if self.var else b.array
+        if self.unit != 1.0:
+            np.multiply(m.slice(b, self.var), b.dtype.type(self.unit), out=dst)
+        else:
+            np.copyto(dst, m.slice(b, self.var))
+        st = h.stats if h is not None else {}
+        name = m.var_name if self.var else m.name
+        last = b is m.members[-1]
+        self.stats = dict(st, merged_into=name) if last else {
+            "codec": st.get("codec", "none"), "bytes_sent": 0, "merged_into": name}
 
 
 def _pin(t: torch.Tensor) -> None:  # pragma: no cover - CUDA path, untested here
@@ -347,7 +385,9 @@ class _DistributedOptimizer(_Recipes):
                 self._bn_of[id(p)] = b
         #: bucket index -> the merged round it joins while its group warms up (_Merged)
         self._bn_merge_of: dict[int, _Merged] = self._make_merges(int(bucket_bytes))
-        for m in {id(m): m for m in self._bn_merge_of.values()}.values():
+        #: bucket index -> the merged round its big tensor travels in with the sign codec after the warm-up
+        self._bn_sign_of: dict[int, _Merged] = self._make_merges(int(bucket_bytes), "sign") if SIGN_MERGE else {}
+        for m in {id(m): m for d in (self._bn_merge_of, self._bn_sign_of) for m in d.values()}.values():
             m.allocate(client)
         self._bn_counts: dict[int, int] = {}
         self._bn_next = 0  # index of the next bucket to submit
@@ -428,12 +468,14 @@ class _DistributedOptimizer(_Recipes):
             b.dense = True
         return buckets
 
-    def _make_merges(self, bucket_bytes: int) -> dict[int, _Merged]:
+    def _make_merges(self, bucket_bytes: int, kind: str = "warm") -> dict[int, _Merged]:
         """Runs of consecutive buckets of one sign-codec Adam group (same dtype and device), at most
-        ``bucket_bytes`` each, that travel as one dense round during the warm-up (:class:`_Merged`)."""
+        ``bucket_bytes`` each, that travel as one round (:class:`_Merged`): ``"warm"``, dense
+        during the warm-up, all of the group's buckets; ``"sign"``, with the codec after it, the
+        big tensors' buckets (not the small tensors' dense one)."""
         runs: list[list[_Bucket]] = []
         for b in self._bn_buckets:
-            if not self._own_scale(b.group) or self._bn_warmup == 0:
+            if not self._own_scale(b.group) or (kind == "warm" and self._bn_warmup == 0) or (kind == "sign" and b.dense):
                 continue
             last = runs[-1] if runs else None
             if (last is not None and last[-1].index == b.index - 1 and last[-1].group == b.group
@@ -446,7 +488,7 @@ class _DistributedOptimizer(_Recipes):
         for k, run in enumerate(runs):
             if len(run) < 2:
                 continue
-            m = _Merged(k, run)
+            m = _Merged(k, run, kind)
             for b in run:
                 out[b.index] = m
         return out
@@ -556,6 +598,24 @@ class _DistributedOptimizer(_Recipes):
         params = dict(g.get("birdnet_codec_params", self._bn_codec_params) or {}) if codec is not None else {}
         if self._warming_up(g) or b.dense:
             codec, params = self._small_codec(b), {}
+        s = self._bn_sign_of.get(b.index)
+        if s is not None and codec in _SIGN_CODECS:
+            # one sign round for the run, each member in its own unit (_Merged)
+            unit = self._sign_unit(g, b.entries[0][1])
+            np.divide(b.array, b.dtype.type(unit), out=s.slice(b))
+            b.handle = _MemberHandle(s, b, unit)  # type: ignore[assignment]
+            if b.refresh:  # the raw gradient (its own power-of-two scale), not divided by the unit
+                s.allocate_var(self._bn_client)
+                np.copyto(s.slice(b, var=True), b.var_array)
+                b.var_handle = _MemberHandle(s, b, var=True)  # type: ignore[assignment]
+            if b is s.members[-1]:
+                s.waited = False
+                s.handle = self._bn_client.allreduce_async(s.array, op="mean", name=s.name, codec=codec, **params)
+                if any(x.refresh for x in s.members):  # every member refreshes at the same step
+                    s.var_waited = False
+                    s.var_handle = self._bn_client.allreduce_async(s.var_array, op="mean", name=s.var_name,
+                                                                   codec=self._refresh_codec())
+            return
         b.handle = self._bn_client.allreduce_async(b.array, op="mean", name=b.name, codec=codec, **params)
         if b.refresh:  # right after the codec's round, in the same order on every process
             b.var_handle = self._bn_client.allreduce_async(b.var_array, op="mean", name="var" + b.name[4:],
@@ -630,8 +690,9 @@ class _DistributedOptimizer(_Recipes):
             b.var_scale.clear()
             b.half_scale.clear()
             b.events.clear()
-        for m in self._bn_merge_of.values():
-            m.handle = None
+        for d in (self._bn_merge_of, self._bn_sign_of):
+            for m in d.values():
+                m.handle = m.var_handle = None
         self._bn_counts.clear()
         self._bn_next = 0
 
@@ -772,8 +833,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     bucket_bytes : int
         Largest bucket in bytes (a single larger parameter gets a bucket of its own). An Adam/AdamW
         group with a sign codec (``marsit``, ``signcascade``, ``efsign``) gives each parameter of at
-        least 1024 elements a bucket of its own (one sign scale per tensor), its smaller ones
-        share dense buckets.
+        least 1024 elements a bucket of its own (its own unit, so one sign scale fits), its smaller
+        ones share dense buckets; its buckets travel together in rounds of at most ``bucket_bytes``.
     client : Client, optional
         The connection to use; else one from :func:`init` (``socket``, ``job``).
     momentum_in_codec : bool or None
