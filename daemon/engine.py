@@ -407,8 +407,9 @@ class RingWorker(threading.Thread):
         t0 = time.monotonic()
         while True:
             self._take_inbox()
-            self.stalls.check(key, f"for its {want} from rank {ring.left_rank}", t0, lambda: (
-                f"ring {list(ring.members)}, led by rank {ring.leader}; {self.membership.describe_wait()}"))
+            self.stalls.check(key, f"for its {want}", t0, lambda: (
+                f"from {ring.describe_left()} on ring {list(ring.members)}, led by rank {ring.leader}; "
+                f"{self.membership.describe_wait()}"))
             why = ring.gone(net, since)
             if why:
                 raise PeerLostError(f"{why} while round {key} was starting")

@@ -246,4 +246,8 @@ class StallLog:
         if len(self._said) >= self.MAX_KEPT:
             self._said.clear()
         self._said.add((key, where))
-        log.info("round %s has waited %.1f s %s: %s", key, waited, where, describe())
+        try:
+            what = describe()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the round it describes
+            what = f"(not described: {exc!r})"
+        log.info("round %s has waited %.1f s %s: %s", key, waited, where, what)

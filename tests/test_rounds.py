@@ -230,3 +230,20 @@ def test_a_long_wait_is_logged_once_per_round_and_place(caplog):
     for i in range(StallLog.MAX_KEPT + 1):  # bounded: the places said are forgotten past MAX_KEPT
         stalls.check(f"j/{i + 2}", "here", now - 6.0, describe)
     assert len(stalls._said) <= StallLog.MAX_KEPT
+    with caplog.at_level(logging.INFO, logger="birdnet.engine"):
+        stalls.check("j/0", "here", now - 6.0, lambda: 1 / 0)  # never raises into the round
+    assert "not described: ZeroDivisionError" in caplog.records[-1].getMessage()
+
+
+def test_the_memberships_describe_what_a_long_wait_knows():
+    from types import SimpleNamespace
+
+    from birdnet.daemon.elastic import ElasticRing
+    from birdnet.daemon.membership import FixedRing
+    m = ElasticRing(None, rank=1, world=4)
+    m.bind(SimpleNamespace(rank=1, info={0: {"ep": 0, "want": True}, 2: {"ep": 2, "want": False}}))
+    text = m.describe_wait()
+    assert "epoch 0" in text and "{0: (0, True), 2: (2, False)}" in text, text
+    f = FixedRing(None, 0, 2)
+    f.bind(SimpleNamespace(lost=lambda: {1}))
+    assert f.describe_wait() == "lost [1]"
