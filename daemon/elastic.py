@@ -225,7 +225,9 @@ class ElasticRing:
         m = Membership.from_header(h, self.world)
         if (m is None or self.rank not in m.ring or m.epoch < self.epoch
                 or sender != m.ring[m.ring.index(self.rank) - 1]):
-            log.debug("ignored a start from rank %r: %r", sender, {k: h.get(k) for k in ("k", "ep", "S", "L")})
+            # INFO: a start ignored here holds the whole ring until round_timeout if it was meant for it
+            log.info("ignored a start from rank %r (this node: epoch %d): %r", sender, self.epoch,
+                     {k: h.get(k) for k in ("k", "ep", "S", "L")})
             return None
         mine = m.incarnations.get(str(self.rank))
         if mine not in (None, "None") and mine != self.net.incarnation:
@@ -274,6 +276,12 @@ class ElasticRing:
 
     def status(self) -> dict[str, Any] | None:
         return {"epoch": self.epoch, "members": list(self.members), "leader": self.leader_rank}
+
+    def describe_wait(self) -> str:
+        """What this node knows of the membership, for a round that waits for long (StallLog)."""
+        info = {r: (i.get("ep"), i.get("want")) for r, i in sorted(getattr(self.net, "info", {}).items())}
+        return (f"epoch {self.epoch}, members {self.members}, leader rank {self.leader_rank}, joined in "
+                f"epoch {self.join_epoch}, heard {sorted(self.heard)}, (epoch, want) heard per rank {info}")
 
     # -- joins ---------------------------------------------------------------------------------------
     def forget_job(self, job: str) -> None:

@@ -35,7 +35,7 @@ from birdnet.daemon.failures import RoundFailures
 from birdnet.daemon.lane import DenseLane, lane_eligible
 from birdnet.daemon.ledger import AbortOutbox, RoundLedger
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, MembershipStrategy, RoundRetry
-from birdnet.daemon.rounds import Phase, Round, Step
+from birdnet.daemon.rounds import Phase, Round, StallLog, Step
 from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importable from here as before
     AGREED,
     CodecState,
@@ -124,6 +124,8 @@ class RingWorker(threading.Thread):
         #: is stale); a round's messages go to its Round (rounds.py)
         self._handlers: dict[type, Callable[[Any, dict[str, Any]], bool]] = {
             Start: self.handle_start, Abort: self.handle_abort}
+        #: where a round waits for long (logged once): a hang then names the place it stopped
+        self.stalls = StallLog(max(3 * settings.peer_timeout, 10.0))
 
     @property
     def lane_rounds(self) -> int:
@@ -353,6 +355,10 @@ class RingWorker(threading.Thread):
                 continue
             if leader != self.rank:
                 self.failures.expire_unstarted(self.settings)
+            if self.order:
+                first = self.ready[self.order[0]]
+                self.stalls.check(first.key, "here for a start", first.ready_at, lambda: (
+                    f"the leader as this node sees it is {leader!r} (live {live}); {m.describe_wait()}"))
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
             rec = record_of(msg) if msg is not None else None
@@ -398,8 +404,12 @@ class RingWorker(threading.Thread):
         key, deadline, ring, since = rd.key, rd.deadline, rd.ring, rd.since
         rd.phase = Phase.AGREEING  # what the round takes now (Round.handle)
         rd.leading = want == "start"  # the leader waits for its start to come back, a follower for the go
+        t0 = time.monotonic()
         while True:
             self._take_inbox()
+            self.stalls.check(key, f"for its {want}", t0, lambda: (
+                f"from {ring.describe_left()} on ring {list(ring.members)}, led by rank {ring.leader}; "
+                f"{self.membership.describe_wait()}"))
             why = ring.gone(net, since)
             if why:
                 raise PeerLostError(f"{why} while round {key} was starting")
@@ -509,7 +519,7 @@ class RingWorker(threading.Thread):
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
         start = {"t": "start", "k": key, **ring.fields}
         rd = Round(key, ring, net.neighbour_restarts, time.monotonic() + self.settings.round_timeout)
-        since = rd.since
+        since, t0 = rd.since, time.monotonic()
         # Wait until this node's processes have submitted the round the leader chose. The inbox is
         # read before every wait: the service thread's wake-up may already have been consumed by
         # the poll that delivered this start, and waiting on it again would add a whole poll period.
@@ -522,6 +532,9 @@ class RingWorker(threading.Thread):
             self.failures.overtaken(key, ring.leader)
             if self.stopping:
                 return
+            self.stalls.check(key, "for this node's processes to submit it", t0, lambda: (
+                f"rank {ring.leader} started it on ring {list(ring.members)}; waiting here: {self.order[:4]}; "
+                f"{m.describe_wait()}"))
             if time.monotonic() > rd.deadline:
                 descs.append([self.rank, {"error": f"the processes on node rank {self.rank} did not submit "
                                                    f"round {key} within round_timeout"}])

@@ -85,6 +85,13 @@ def peer_socket(ctx: zmq.Context, kind: int, settings: Settings) -> zmq.Socket:
     s.setsockopt(zmq.SNDHWM, REPLY_HWM if kind == zmq.ROUTER else 0)
     s.setsockopt(zmq.RCVHWM, 0)
     s.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    if kind == zmq.ROUTER:
+        # A peer DEALER that drops its queue (PeerNet._count_ping: disconnect, connect) comes back
+        # under the same identity (rank and incarnation). ZeroMQ's default ignores a connection whose
+        # identity is still held by one the ROUTER has not yet seen end: it stays connected and all it
+        # sends vanishes until the next drop, peer_timeout later, a start among it holding the ring
+        # until round_timeout. The newer connection is the peer's live one: it takes the identity over.
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if kind == zmq.ROUTER and settings.peer_allowed_networks:
         from birdnet.daemon.security import configure_zap
         configure_zap(s)  # the daemon's ZAP handler refuses addresses outside them, before any message

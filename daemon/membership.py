@@ -104,6 +104,7 @@ class MembershipStrategy(Protocol):
     def note_contributors(self, rnd: Any, counts: list[int], ring: Any) -> None: ...
     def lane_allowed(self) -> bool: ...
     def status(self) -> dict[str, Any] | None: ...
+    def describe_wait(self) -> str: ...
 
 
 # -- a round's ring ---------------------------------------------------------------------------------
@@ -420,4 +421,9 @@ class FixedRing:
 
     def status(self) -> dict[str, Any] | None:
         return None
+
+    def describe_wait(self) -> str:
+        """What this node knows of the ring, for a round that waits for long (StallLog)."""
+        lost = getattr(self.net, "lost", None)
+        return f"lost {sorted(lost())}" if lost is not None else "no peer net"
 

@@ -48,6 +48,7 @@ class Numbering:
         self.max_unanswered = int(peer_timeout / heartbeat_interval) + 2
         #: ranks whose queue count_ping dropped: the next message to each carries ``qr`` (lost_between)
         self._renumber: set[int] = set()
+        self._quiet: set[int] = set()  #: ranks whose queue was dropped since their last answer
 
     # -- sending ---------------------------------------------------------------------------------
     def fields(self, rank: int) -> dict[str, int]:
@@ -77,6 +78,13 @@ class Numbering:
 
     def answered(self, rank: int) -> None:
         self._unanswered[rank] = 0
+        self._quiet.discard(rank)
+
+    def first_drop(self, rank: int) -> bool:
+        """True at the first queue drop for ``rank`` since its last answer (for the log)."""
+        first = rank not in self._quiet
+        self._quiet.add(rank)
+        return first
 
     # -- receiving -------------------------------------------------------------------------------
     def restart(self, rank: int, header: dict[str, Any]) -> None:

@@ -369,6 +369,9 @@ class PeerNet:
         queued a ping for ever, delivered in a burst when the peer came back. A reconnection drops nothing
         the peer could still use: it has been counted lost for as long (rounds with it failed)."""
         if self.numbering.count_ping(rank):
+            if self.numbering.first_drop(rank):  # once per silence: a dead peer drops every peer_timeout
+                log.info("rank %d answered none of the last %d pings: what was queued for it is dropped "
+                         "(its socket reconnects)", rank, self.numbering.max_unanswered)
             try:
                 sock.disconnect(endpoint)
             except zmq.ZMQError:

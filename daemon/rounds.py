@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,8 @@ from birdnet.daemon.membership import LaneGivenUp, RoundRetry
 from birdnet.errors import RoundAborted
 from birdnet.messages import Abort, Commit, Data, Go, LaneClose, Start, Verdict, record_of
 from birdnet.wire import split_key
+
+log = logging.getLogger("birdnet.engine")
 
 
 class Phase(str, enum.Enum):
@@ -221,3 +225,29 @@ class Round:
 _HANDLERS: dict[type, Callable[[Round, Any, dict[str, Any]], Step]] = {
     Start: Round.handle_start, Go: Round.handle_go, Data: Round.handle_data, LaneClose: Round.handle_lane,
     Abort: Round.handle_abort, Commit: Round.handle_commit}
+
+
+class StallLog:
+    """Says once per round and place, at INFO, that a round has waited longer than ``after`` seconds
+    there, with what the node knows: a wait that ends only at round_timeout (600 s by default)
+    otherwise leaves no trace of where the ring stopped (a leader that never starts, a start that
+    never comes back, a joiner whose processes' calls were never matched)."""
+
+    MAX_KEPT = 1024  #: bounded: the places said are forgotten past this many
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self._said: set[tuple[str, str]] = set()
+
+    def check(self, key: str, where: str, since: float, describe: Callable[[], str]) -> None:
+        waited = time.monotonic() - since
+        if waited < self.after or (key, where) in self._said:
+            return
+        if len(self._said) >= self.MAX_KEPT:
+            self._said.clear()
+        self._said.add((key, where))
+        try:
+            what = describe()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the round it describes
+            what = f"(not described: {exc!r})"
+        log.info("round %s has waited %.1f s %s: %s", key, waited, where, what)

@@ -581,3 +581,21 @@ def test_a_malformed_control_message_is_dropped_counted_and_the_net_keeps_servin
     got = collect(net, 0.5)
     assert [h["t"] for h in got] == ["commit"] and got[0]["c"] == 1
     assert net.malformed == 3
+
+
+def test_a_reconnection_under_the_same_identity_takes_over_the_old_connection(ring):
+    """A peer's DEALER that drops its queue (PeerNet._count_ping: disconnect, connect) comes back
+    under the same identity; if the ROUTER has not yet seen its old connection end, ZeroMQ's default
+    (no ZMQ_ROUTER_HANDOVER) ignores the new one: it connects, and everything it sends vanishes until
+    the next drop, peer_timeout later. A start lost so, with the drop's renumbering hiding the gap,
+    held an elastic rejoin until round_timeout. The newer connection must take the identity over."""
+    net, settings, left = ring
+    old = left(b"r1-a")
+    old.send_multipart(ping(settings, "a"))
+    assert collect(net, 0.5) == [] and old.poll(1000)  # accepted: its ping answered
+    new = left(b"r1-a")  # the old connection is still up at the ROUTER
+    new.send_multipart(ping(settings, "a"))
+    new.send_multipart(wire.encode({"t": "start", "k": "j/1", "descs": [], "more": []}))
+    got = collect(net, 1.0)
+    assert [h["t"] for h in got] == ["start"], got
+    assert new.poll(1000), "the new connection's ping was never answered"

@@ -205,3 +205,45 @@ def test_the_verdict_gives_the_counts():
     assert rd.counts is None  # a lane round learns the total from the ring
     rd.verdict = Verdict("j/5", True, None, None, (2, 1, 1))
     assert rd.counts == [2, 1, 1]
+
+
+def test_a_long_wait_is_logged_once_per_round_and_place(caplog):
+    """A round stuck until round_timeout must leave a line naming where it waits (StallLog)."""
+    import logging
+    import time
+
+    from birdnet.daemon.rounds import StallLog
+    stalls, calls = StallLog(after=5.0), []
+
+    def describe():
+        calls.append(1)
+        return "what the node knows"
+    now = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="birdnet.engine"):
+        stalls.check("j/1", "for its start", now, describe)  # not long yet: nothing, not even described
+        for _ in range(3):
+            stalls.check("j/1", "for its start", now - 6.0, describe)
+        stalls.check("j/1", "for its go", now - 6.0, describe)
+    lines = [r.getMessage() for r in caplog.records if r.name == "birdnet.engine"]
+    assert len(lines) == 2 and len(calls) == 2, lines
+    assert lines[0].startswith("round j/1 has waited 6.0 s for its start: what the node knows"), lines
+    for i in range(StallLog.MAX_KEPT + 1):  # bounded: the places said are forgotten past MAX_KEPT
+        stalls.check(f"j/{i + 2}", "here", now - 6.0, describe)
+    assert len(stalls._said) <= StallLog.MAX_KEPT
+    with caplog.at_level(logging.INFO, logger="birdnet.engine"):
+        stalls.check("j/0", "here", now - 6.0, lambda: 1 / 0)  # never raises into the round
+    assert "not described: ZeroDivisionError" in caplog.records[-1].getMessage()
+
+
+def test_the_memberships_describe_what_a_long_wait_knows():
+    from types import SimpleNamespace
+
+    from birdnet.daemon.elastic import ElasticRing
+    from birdnet.daemon.membership import FixedRing
+    m = ElasticRing(None, rank=1, world=4)
+    m.bind(SimpleNamespace(rank=1, info={0: {"ep": 0, "want": True}, 2: {"ep": 2, "want": False}}))
+    text = m.describe_wait()
+    assert "epoch 0" in text and "{0: (0, True), 2: (2, False)}" in text, text
+    f = FixedRing(None, 0, 2)
+    f.bind(SimpleNamespace(lost=lambda: {1}))
+    assert f.describe_wait() == "lost [1]"
