@@ -357,7 +357,7 @@ class RingWorker(threading.Thread):
                 self.failures.expire_unstarted(self.settings)
             if self.order:
                 first = self.ready[self.order[0]]
-                self.stalls.check(first.key, "here for a start", first.ready_at, lambda: (
+                self.stalls.check(first.key, "here for a start", first.ready_at, lambda leader=leader, live=live: (
                     f"the leader as this node sees it is {leader!r} (live {live}); {m.describe_wait()}"))
             msg = self.pending_start or net.poll(0.05)
             self.pending_start = None
