@@ -1,13 +1,15 @@
-"""Broadcasts of birdnet.client.torch: parameters and optimizer state from one process to all."""
+"""Broadcasts of birdnet.client.torch: parameters and optimizer state from one process to all, and
+``recover`` (after a failed step, every replica made root's again)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import msgpack
 import numpy as np
 import torch
-from birdnet.client import Client
+from birdnet.client import RECOVER_TIMEOUT, Client, _retry_recoverable
 from birdnet.client._torch_dtypes import wire_dtype
 
 from birdnet.errors import InputError
@@ -138,3 +140,60 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     # msgpack keeps int keys, but ``state`` keys must be ints and param_groups' ``params`` lists
     state["state"] = {int(k): v for k, v in state["state"].items()}
     optimizer.load_state_dict(state)
+
+
+def recover(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, root_rank: int = 0,
+            client: Client | None = None, timeout: float = RECOVER_TIMEOUT) -> int:
+    """After a failed step: wait until the ring is whole again, then give every process ``root_rank``'s
+    parameters and buffers (``model.state_dict()``) and, with ``optimizer``, its optimizer state,
+    so the replicas are identical again. A collective (every process of the job calls it)::
+
+        try:
+            loss_fn(model(x), y).backward()
+            opt.step()
+        except (PeerLostError, RoundTimeoutError):
+            bnt.recover(model, opt)   # identical replicas again; the batch is skipped
+        opt.zero_grad()
+
+    The client is ``client``, else the :class:`DistributedOptimizer`'s, else :func:`init`'s. Under
+    DDP on the birdnet process group (``init_process_group``) pass the model (``ddp.module``) and
+    the optimizer: the broadcasts then go through the process group. Calls that fail while the
+    ring is still broken are tried again until ``timeout`` (s); returns the number of attempts.
+    :class:`~birdnet.errors.ProcessLostError` is raised at once (restart the job's processes)."""
+    deadline = time.monotonic() + timeout
+    if client is None:
+        client = getattr(optimizer, "_bn_client", None)
+    pg = None
+    if client is None:
+        from birdnet.client.torch_dist import _default_birdnet_group
+        pg = _default_birdnet_group()
+    reset_step = getattr(optimizer, "_reset_step", None)  # a DistributedOptimizer's (only it has one)
+    if reset_step is not None:
+        reset_step()  # what the failed step left in flight (its waits end: the round failed)
+
+    def attempt() -> None:
+        if pg is not None:
+            _recover_through_group(model, optimizer, root_rank)
+            return
+        c = _client(client)
+        c._wait_ring(deadline)
+        broadcast_parameters(model.state_dict(), root_rank=root_rank, client=c)
+        if optimizer is not None:
+            broadcast_optimizer_state(optimizer, root_rank=root_rank, client=c)
+        c.barrier(timeout=max(1.0, deadline - time.monotonic()))
+    return _retry_recoverable(attempt, deadline, pause=0.2)
+
+
+def _recover_through_group(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, root_rank: int) -> None:
+    """recover's broadcasts on the birdnet process group (DDP): every tensor of the model's state
+    and of the optimizer's state, in a fixed order, in place."""
+    import torch.distributed as dist
+    tensors = [t for _k, t in sorted(model.state_dict().items())]
+    if optimizer is not None:
+        for p in (q for g in optimizer.param_groups for q in g["params"]):
+            st = optimizer.state.get(p, {})
+            tensors += [st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=root_rank)
+    dist.barrier()
