@@ -84,6 +84,14 @@ _PLAIN_CODECS = frozenset({"none", "fp16", "lowbit"})
 _CARRY_FLOOR = 1e-6
 
 
+def _frozen_variance(g: dict[str, Any], st: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Adam's second moment of one parameter (the max with amsgrad) and its bias correction bc2 at
+    the step the variance froze at: what the preconditioning denominator and a merged sign round's
+    unit are both computed from."""
+    v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
+    return v, 1.0 - float(g["betas"][1]) ** float(st["step"])
+
+
 class _Recipes:
     """Mixed into the DistributedOptimizer (a subclass of the wrapped optimizer's class): reads
     ``param_groups`` and ``state``, and the adapter's ``_bn_codec``, ``_bn_codec_params``,
@@ -178,9 +186,7 @@ class _Recipes:
         """sqrt(v / bc2) + eps with v (and bc2) as they were when compression started."""
         denom = self._bn_denom.get(id(p))
         if denom is None:
-            st = self.state[p]
-            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
-            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])  # the step the variance froze at
+            v, bc2 = _frozen_variance(g, self.state[p])
             denom = self._bn_denom[id(p)] = (v / bc2).sqrt_().add_(float(g["eps"]))
         return denom
 
@@ -199,8 +205,7 @@ class _Recipes:
             return 1.0  # no gradient yet (an unused parameter): it sends zeros; Adam's state stays empty
         unit = st.get("birdnet_unit")
         if unit is None:
-            v = st["max_exp_avg_sq"] if g.get("amsgrad") else st["exp_avg_sq"]
-            bc2 = 1.0 - float(g["betas"][1]) ** float(st["step"])
+            v, bc2 = _frozen_variance(g, st)
             r = float(np.sqrt(v.detach().to("cpu", torch.float64).numpy().reshape(-1) / bc2).mean()) if v.numel() else 0.0
             unit = st["birdnet_unit"] = r if r > 0.0 and np.isfinite(r) else 1.0
         return float(unit)
