@@ -433,9 +433,30 @@ class PeerNet:
         for it.
         ``data``: the caller is a round's data phase (RoundTransport), which waits on the peer
         sockets only and looks at the socket monitors and the service's wake-up less often."""
-        msg = self._poll_once(timeout, data)
-        if msg is None:
-            return None
+        now = time.monotonic()
+        if (data and now < self._full_poll_at and now - self.last_ping < self.settings.heartbeat_interval
+                and not self._trim_at and not self.held.ready):
+            # A data phase between its polls of every socket, with no ping due: the ROUTER
+            # alone, and None after one message that is nothing for the caller or at the next
+            # whole poll (the callers loop until their deadline). zmq_poll (not zmq.Poller's
+            # Python) returns at once when a message is there; a read that finds none would
+            # raise zmq.Again (three Python calls in pyzmq's error classes), and ZMQ_EVENTS is
+            # asked through its option enum (two). A data message costs a handful of calls here.
+            wait = min(timeout, self._full_poll_at - now)
+            if not zmq_poll(self._router_in, math.ceil(max(0.0, wait) * 1000)):
+                return None
+            try:
+                msg = self._recv_router(recv_frames(self.router))
+            except zmq.Again:
+                return None
+            if msg is None:
+                if not self.held.ready:
+                    return None
+                msg = self.held.ready.popleft()
+        else:
+            msg = self._poll_once(timeout, data)
+            if msg is None:
+                return None
         rec = msg["r"]
         if type(rec) is Data and rec.lane:
             if rec.key != self.reading:
@@ -450,29 +471,6 @@ class PeerNet:
         return msg
 
     def _poll_once(self, timeout: float, data: bool = False) -> dict | None:
-        if data:
-            now = time.monotonic()
-            if (now < self._full_poll_at and now - self.last_ping < self.settings.heartbeat_interval
-                    and not self._trim_at and not self.held.ready):
-                # A data phase between its polls of every socket, with no ping due: the ROUTER alone,
-                # read first and waited on only when empty (zmq_poll, without zmq.Poller's Python),
-                # and None after one message that is nothing for the caller, or at the next whole
-                # poll (the callers loop until their deadline). A dense round's data message costs a
-                # handful of Python calls here instead of the loop's dozen and more.
-                # zmq_poll returns at once when a message is there (a read that finds none instead
-                # raises zmq.Again, three Python calls in pyzmq's error classes; asking ZMQ_EVENTS
-                # is two, in its option enum)
-                wait = min(timeout, self._full_poll_at - now)
-                if not zmq_poll(self._router_in, math.ceil(max(0.0, wait) * 1000)):
-                    return None
-                try:
-                    frames = recv_frames(self.router)
-                except zmq.Again:
-                    return None
-                msg = self._recv_router(frames)
-                if msg is None and self.held.ready:
-                    return self.held.ready.popleft()
-                return msg
         deadline = time.monotonic() + timeout
         while True:
             poller = self.poller
