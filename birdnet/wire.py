@@ -105,12 +105,22 @@ def encode(header: dict[str, Any], buffers: Sequence[Any] = (), **fields: Any) -
     """Frames for ``header`` plus ``fields`` and ``buffers`` (buffers are passed through, not
     copied). A buffer that is a frame of the transport (anything with a ``buffer`` view, as a
     received ZeroMQ frame has) stays itself, so the transport can send it on without copying it."""
-    views = [b if hasattr(b, "buffer") and not isinstance(b, memoryview) else memoryview(b).cast("B")
-             for b in buffers]
+    # a plain loop, not comprehensions: this runs for every message a ring sends, and each
+    # comprehension is a Python call of its own
+    frames: list[Any] = [PROTOCOL_ID, None]
+    sizes = []
+    for b in buffers:
+        if not hasattr(b, "buffer") or isinstance(b, memoryview):
+            b = memoryview(b).cast("B")
+            sizes.append(b.nbytes)
+        else:
+            sizes.append(len(b))  # a frame's len: bytes
+        frames.append(b)
     h = {**header, **fields}
-    h["nbuf"] = len(views)
-    h["sizes"] = [v.nbytes if isinstance(v, memoryview) else len(v) for v in views]  # a frame's len: bytes
-    return [PROTOCOL_ID, _packer().pack(h), *views]
+    h["nbuf"] = len(sizes)
+    h["sizes"] = sizes
+    frames[1] = (getattr(_local, "packer", None) or _packer()).pack(h)
+    return frames
 
 
 _local = threading.local()
@@ -131,14 +141,17 @@ def decode(frames: Sequence[Any], *, max_bytes: int) -> tuple[dict[str, Any], li
     :class:`VersionMismatchError`) with a message saying what is wrong; never asserts."""
     if len(frames) < 2:
         raise ProtocolError(f"message has {len(frames)} frame(s); at least 2 (protocol id, header) expected")
-    pid = _bytes(frames[0])
+    # a ZeroMQ frame's bytes without a call of _bytes (every peer message comes here)
+    pid = frames[0]
+    pid = pid.bytes if hasattr(pid, "bytes") else _bytes(pid)
     if pid != PROTOCOL_ID:
         if pid.startswith(b"birdnet/"):
             raise VersionMismatchError(
                 f"peer speaks protocol {pid.decode(errors='replace')!r}, this daemon speaks "
                 f"{PROTOCOL_ID.decode()!r}; install the same birdnet version on every node")
         raise ProtocolError(f"bad protocol id {pid[:16]!r}; not a birdnet message")
-    raw = _bytes(frames[1])
+    raw = frames[1]
+    raw = raw.bytes if hasattr(raw, "bytes") else _bytes(raw)
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES}-byte limit")
     try:
@@ -209,7 +222,9 @@ def check_peer(header: dict[str, Any], world: int) -> None:
                 header[name] = printable(v)
             continue
         if kind == "key":
-            if not isinstance(v, str) or len(v) > MAX_KEY_CHARS or split_key(v) is None:
+            # split_key's test, inline: every data message has a key
+            if (not isinstance(v, str) or len(v) > MAX_KEY_CHARS or "/" not in v
+                    or not (seq := v.rpartition("/")[2]).isdigit() or not seq.isascii()):
                 raise ProtocolError(f"{t!r} message: round key {str(v)[:80]!r} is not 'job/seq'")
             continue
         if kind == "token":
@@ -253,6 +268,6 @@ def split_key(key: Any) -> tuple[str, int] | None:
     if not isinstance(key, str):
         return None
     job, sep, seq = key.rpartition("/")
-    if not sep or not seq.isdigit():
+    if not sep or not seq.isdigit() or not seq.isascii():  # "²" is a digit to isdigit(), not to int()
         return None
     return job, int(seq)

@@ -149,12 +149,15 @@ class EarlyLaneData:
         self.keys: tuple[str, ...] = ()
         self._queues: dict[str, deque[dict]] = {}
         self._bytes = 0
+        self.messages = 0  #: messages kept (a reader that finds 0 need not ask take)
 
     def set_keys(self, keys: tuple[str, ...]) -> None:
         """Lane rounds whose early data is kept from now on; what was kept for others is dropped."""
         self.keys = keys
         for k in [k for k in self._queues if k not in keys]:
-            self._bytes -= sum(sum(b.nbytes for b in m["b"]) for m in self._queues.pop(k))
+            q = self._queues.pop(k)
+            self.messages -= len(q)
+            self._bytes -= sum(sum(b.nbytes for b in m["b"]) for m in q)
 
     def keep(self, key: str, msg: dict) -> str | None:
         """Keep ``msg`` (data of lane round ``key``) for its round; why not when it is dropped instead
@@ -167,6 +170,7 @@ class EarlyLaneData:
             return f"early data of lane round {key!r}: over max_message_bytes kept"
         self._queues.setdefault(key, deque()).append(msg)
         self._bytes += nbytes
+        self.messages += 1
         return None
 
     def has(self, key: str) -> bool:
@@ -177,5 +181,6 @@ class EarlyLaneData:
         if not q:
             return None
         msg = q.popleft()
+        self.messages -= 1
         self._bytes -= sum(b.nbytes for b in msg["b"])
         return msg

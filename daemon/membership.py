@@ -117,6 +117,9 @@ class FixedNeighbours:
     other_aborts = True
     fields: dict[str, Any] = {}  # nothing travels on start / go besides the round's own fields
     leader = 0
+    #: only the accepted left neighbour's messages reach the ROUTER's reader: accepts and
+    #: from_left are always True (RoundTransport skips asking, per data message)
+    left_only = True
 
     def __init__(self, net: Any) -> None:
         self.net = net

@@ -37,7 +37,9 @@ class Numbering:
 
     def __init__(self, peer_timeout: float, heartbeat_interval: float) -> None:
         self.sent_q_to: dict[int, int] = {}  #: rank -> the number of the last message to it
-        self._q_from: dict[int, int | None] = {}  #: the last ``q`` from each accepted sender
+        #: the last ``q`` from each accepted sender (PeerNet._decode_router notes the next one in
+        #: order itself, received() the rest)
+        self.q_from: dict[int, int | None] = {}
         #: per sending rank, why the round that next waits for it must fail (take_gap). Never
         #: rebound: a reader may keep it and test it before calling take_gap (RoundTransport)
         self.gaps: dict[int, str] = {}
@@ -46,8 +48,9 @@ class Numbering:
         #: rank -> pings sent since its last pong or refusal, and the most kept queued (count_ping)
         self._unanswered: dict[int, int] = {}
         self.max_unanswered = int(peer_timeout / heartbeat_interval) + 2
-        #: ranks whose queue count_ping dropped: the next message to each carries ``qr`` (lost_between)
-        self._renumber: set[int] = set()
+        #: ranks whose queue count_ping dropped: the next message to each carries ``qr`` (lost_between;
+        #: PeerNet.send numbers a message itself while this is empty, fields() and sent() otherwise)
+        self.renumber: set[int] = set()
         self._quiet: set[int] = set()  #: ranks whose queue was dropped since their last answer
 
     # -- sending ---------------------------------------------------------------------------------
@@ -55,13 +58,13 @@ class Numbering:
         """The numbering fields of the next message to ``rank``: its number, and ``qr`` when the
         queue before it was dropped (count_ping)."""
         q = self.sent_q_to.get(rank, 0) + 1
-        return {"q": q, "qr": 1} if rank in self._renumber else {"q": q}
+        return {"q": q, "qr": 1} if rank in self.renumber else {"q": q}
 
     def sent(self, rank: int, fields: dict[str, int]) -> None:
         """ZeroMQ took the message with ``fields``: only what it took counts (the receiver expects no
         gap otherwise)."""
         self.sent_q_to[rank] = fields["q"]
-        self._renumber.discard(rank)
+        self.renumber.discard(rank)
 
     def count_ping(self, rank: int) -> bool:
         """Count a ping about to go to ``rank``; True when peer_timeout's worth of pings went
@@ -71,7 +74,7 @@ class Numbering:
         n = self._unanswered.get(rank, 0) + 1
         drop = n > self.max_unanswered
         if drop:
-            self._renumber.add(rank)
+            self.renumber.add(rank)
             n = 1
         self._unanswered[rank] = n
         return drop
@@ -90,13 +93,13 @@ class Numbering:
     def restart(self, rank: int, header: dict[str, Any]) -> None:
         """A new connection of ``rank`` was accepted at ``header`` (its first ping): its numbering
         starts there, and a gap of its old connection is forgotten."""
-        self._q_from[rank] = lost_between(None, header)[1]
+        self.q_from[rank] = lost_between(None, header)[1]
         self.gaps.pop(rank, None)
 
     def received(self, rank: int, header: dict[str, Any], sender: Callable[[], str]) -> str | None:
         """Note ``header`` from accepted ``rank`` (``sender()`` names it: called only for a gap, as
         this runs for every message); the gap text when messages before it were lost, else None."""
-        n, self._q_from[rank] = lost_between(self._q_from.get(rank), header)
+        n, self.q_from[rank] = lost_between(self.q_from.get(rank), header)
         if not n:
             return None
         self.messages_lost += n

@@ -45,11 +45,12 @@ from birdnet.daemon.handshake import (
     right_handshake_failure,
 )
 from birdnet.daemon.lane import EarlyLaneData
-from birdnet.daemon.links import frames_nbytes, peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
+from birdnet.daemon.links import peer_socket, reconnect_ivl_max, recv_frames, resolve_host, send_frames
 from birdnet.daemon.liveness import PeerLiveness
 from birdnet.daemon.membership import FixedRing, LaneGivenUp, RingNeighbours
 from birdnet.daemon.numbering import Numbering, lost_between
 from birdnet.daemon.transport import RoundTransport
+from zmq import zmq_poll
 
 from birdnet import PROTOCOL_VERSION, wire
 from birdnet.config import Settings
@@ -182,6 +183,7 @@ class PeerNet:
         self.data_poller = zmq.Poller()
         self.data_poller.register(self.router, zmq.POLLIN)
         self._full_poll_at = 0.0  #: when a data phase's poll next includes every socket
+        self._router_in = [(self.router, zmq.POLLIN)]  #: zmq.zmq_poll's list for the ROUTER alone
 
     def _bind_router(self, endpoint: str) -> None:
         """Listen on this node's hosts-file address; a port that cannot be bound is a ConfigError
@@ -337,18 +339,29 @@ class PeerNet:
         without copying; with ``track`` the returned MessageTracker tells when ZeroMQ no longer needs
         them."""
         to = self.right.rank if to is None else to
-        numbers = self.numbering.fields(to)
-        frames = wire.encode(header, buffers, **numbers)
+        numbering = self.numbering
+        # the next number, as Numbering.fields and .sent give it, inline while no queue was dropped
+        # (every message of a round comes here)
+        plain = not numbering.renumber
+        if plain:
+            q = numbering.sent_q_to.get(to, 0) + 1
+            frames = wire.encode(header, buffers, q=q)
+        else:
+            numbers = numbering.fields(to)
+            frames = wire.encode(header, buffers, **numbers)
         try:
             # NOBLOCK: without a connection (the peer refused us, or never came) a blocking send
             # would stall this thread for good; ZeroMQ queues while a connection exists.
-            nbytes = frames_nbytes(frames)
+            nbytes = sum(map(len, frames))  # frames_nbytes, inline
             tracker = send_frames(self.dealers[to], frames, track, nbytes)
         except zmq.Again:
             raise PeerLostError(
                 f"cannot send to {self.membership.describe_peer(self, to, 'right')}: not connected"
                 + (f" [{self.refused[to]}]" if to in self.refused else "")) from None
-        self.numbering.sent(to, numbers)
+        if plain:
+            numbering.sent_q_to[to] = q
+        else:
+            numbering.sent(to, numbers)
         self.bytes_sent += nbytes
         return tracker
 
@@ -420,9 +433,30 @@ class PeerNet:
         for it.
         ``data``: the caller is a round's data phase (RoundTransport), which waits on the peer
         sockets only and looks at the socket monitors and the service's wake-up less often."""
-        msg = self._poll_once(timeout, data)
-        if msg is None:
-            return None
+        now = time.monotonic()
+        if (data and now < self._full_poll_at and now - self.last_ping < self.settings.heartbeat_interval
+                and not self._trim_at and not self.held.ready):
+            # A data phase between its polls of every socket, with no ping due: the ROUTER
+            # alone, and None after one message that is nothing for the caller or at the next
+            # whole poll (the callers loop until their deadline). zmq_poll (not zmq.Poller's
+            # Python) returns at once when a message is there; a read that finds none would
+            # raise zmq.Again (three Python calls in pyzmq's error classes), and ZMQ_EVENTS is
+            # asked through its option enum (two). A data message costs a handful of calls here.
+            wait = min(timeout, self._full_poll_at - now)
+            if not zmq_poll(self._router_in, math.ceil(max(0.0, wait) * 1000)):
+                return None
+            try:
+                msg = self._recv_router(recv_frames(self.router))
+            except zmq.Again:
+                return None
+            if msg is None:
+                if not self.held.ready:
+                    return None
+                msg = self.held.ready.popleft()
+        else:
+            msg = self._poll_once(timeout, data)
+            if msg is None:
+                return None
         rec = msg["r"]
         if type(rec) is Data and rec.lane:
             if rec.key != self.reading:
@@ -524,14 +558,16 @@ class PeerNet:
         self.info[r] = {"ep": ep if isinstance(ep, int) and not isinstance(ep, bool) and ep >= 0 else 0,
                         "inc": inc if isinstance(inc, str) else None, "want": h.get("want") is True}
 
-    def _decode_router(self) -> tuple[bytes, dict[str, Any], list[memoryview], Any, Any] | None:
-        """The next message on the ROUTER as (identity, header, buffers, header frame, record); None
-        when there is none, or it was a ping (answered here) or garbage (dropped, the sender told;
-        a header whose fields fail its record's checks is dropped and counted in ``malformed``)."""
-        try:
-            frames = recv_frames(self.router)
-        except zmq.Again:
-            return None
+    def _decode_router(self, frames: list[Any] | None = None) -> tuple[bytes, dict[str, Any], list[memoryview], Any, Any] | None:
+        """The next message on the ROUTER (or ``frames``, one read already) as (identity, header,
+        buffers, header frame, record); None when there is none, or it was a ping (answered here) or
+        garbage (dropped, the sender told; a header whose fields fail its record's checks is dropped
+        and counted in ``malformed``)."""
+        if frames is None:
+            try:
+                frames = recv_frames(self.router)
+            except zmq.Again:
+                return None
         if len(frames) < 1:
             return None
         identity = frames[0].bytes
@@ -543,8 +579,18 @@ class PeerNet:
             if identity and frames[1:2] and frames[1].bytes.startswith(b"birdnet/"):
                 self._reply(identity, {"t": "refuse", "reason": str(exc)})
             return None
-        self.bytes_received += sum(b.nbytes for b in bufs) + sum(len(f.bytes) for f in frames[1:2])
-        self._check_numbering(identity, header)
+        # buffers are byte-cast (len: bytes), as is a frame (no generator frames per message)
+        self.bytes_received += sum(map(len, bufs)) + len(frames[1])
+        # the next number in order from an accepted sender is noted here; anything else (a gap, a
+        # restart of the numbering, no number) goes through Numbering.received
+        q_from = self.numbering.q_from
+        r = self.identities.get(identity)
+        q = header.get("q")
+        last = q_from.get(r) if r is not None else None
+        if type(q) is int and last is not None and q == last + 1 and "qr" not in header:
+            q_from[r] = q
+        else:
+            self._check_numbering(identity, header)
         t = header["t"]
         if t == "ping":
             self._handle_ping(identity, header, frames[1])
@@ -592,8 +638,8 @@ class PeerNet:
         gap = self.take_gap_from(self.left.rank)
         return f"{gap}; this call failed, the next one runs afresh" if gap else None
 
-    def _recv_router(self) -> dict | None:
-        got = self._decode_router()
+    def _recv_router(self, frames: list[Any] | None = None) -> dict | None:
+        got = self._decode_router(frames)
         if got is None:
             return None
         identity, header, bufs, first, rec = got

@@ -19,7 +19,7 @@ from birdnet.daemon.membership import FixedNeighbours, RingNeighbours
 from birdnet.daemon.rounds import Phase, Round, Step
 
 from birdnet.errors import PeerLostError, RoundAborted, RoundTimeoutError, ShutdownError
-from birdnet.messages import Commit, record_of
+from birdnet.messages import Commit, Data, record_of
 
 
 class RoundTransport:
@@ -52,6 +52,12 @@ class RoundTransport:
         self.settled_after_restart: str | None = None
         #: the net's gaps not yet taken (Numbering.gaps, the same dict)
         self._gaps = net.gaps
+        #: only the left neighbour's messages reach this node (the fixed ring): a data message is
+        #: the round's when its key and lane match (Round.handle_data's answer, taken inline)
+        self._left_only = getattr(self.neighbours, "left_only", False)
+        #: where a restart of a neighbour is counted (PeerLiveness.neighbour_restarts)
+        self._live = getattr(net, "live", net)
+        self._check_at = 0.0  #: when _recv next asks whether the round's peers are gone
     @property
     def interrupt(self) -> dict | None:
         """A ``start`` of another round that arrived meanwhile (the ring worker follows it next)."""
@@ -71,11 +77,14 @@ class RoundTransport:
         h["k"] = self.key
         if self.lane:
             h["ln"] = 1
-        before = self.net.bytes_sent
-        tracker = self.neighbours.send(self.net, h, [as_frame(b) for b in buffers], True)
+        net = self.net
+        before = net.bytes_sent
+        frames = list(map(as_frame, buffers))
+        # the fixed ring's right neighbour is the net's (FixedNeighbours.send, without its call)
+        tracker = net.send(h, frames, True) if self._left_only else self.neighbours.send(net, h, frames, True)
         if tracker is not None:
             self.trackers.append(tracker)
-        self.bytes_sent += self.net.bytes_sent - before
+        self.bytes_sent += net.bytes_sent - before
 
     def flush(self, timeout: float) -> None:
         """Wait until ZeroMQ has handed every buffer sent in this round to the kernel, so the
@@ -105,8 +114,10 @@ class RoundTransport:
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
         if self.lane:
-            self._check_gap()  # early data may have come after lost messages
-            early = self.net.take_early(self.key)
+            if self._gaps:
+                self._check_gap()  # early data may have come after lost messages
+            # nothing kept (EarlyLaneData.messages 0), the common case, asked without a call
+            early = self.net.take_early(self.key) if getattr(self.net.early, "messages", 1) else None
             if early is not None:
                 self.bytes_received += sum(b.nbytes for b in early["b"])
                 return early["h"], early["b"]
@@ -118,15 +129,21 @@ class RoundTransport:
         return self._recv(deadline)
 
     def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        nb = self.neighbours
+        nb, net, rd, key, lane = self.neighbours, self.net, self.round, self.key, self.lane
         while True:
-            if self.net.stopping:
-                raise ShutdownError(f"round {self.key} aborted: birdnetd on rank {self.net.rank} is shutting down")
-            why = nb.why_gone(self.net, self.key, self.restarts_at)
-            if why:
-                raise PeerLostError(why)
-            self._check_gap()
+            if net.stopping:
+                raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
             now = time.monotonic()
+            # Peers counted lost change at peer_timeout's pace: asked at most every
+            # LIVENESS_CHECK_INTERVAL while messages come (the questions were a third of the Python
+            # calls of a dense round); a restarted neighbour is noticed at once, as before.
+            if now >= self._check_at or self._live.neighbour_restarts != self.restarts_at:
+                why = nb.why_gone(net, key, self.restarts_at)
+                if why:
+                    raise PeerLostError(why)
+                self._check_at = now + LIVENESS_CHECK_INTERVAL
+            if self._gaps:
+                self._check_gap()
             if now >= deadline:
                 if self.lane:
                     raise RoundTimeoutError(
@@ -135,19 +152,25 @@ class RoundTransport:
                 raise PeerLostError(
                     f"no data from {nb.describe_left()} for round {self.key} within "
                     f"{self.net.settings.peer_timeout} s")
-            before = self.net.bytes_received
-            msg = self.net.poll(min(deadline - now, self.net.settings.heartbeat_interval), data=True)
+            before = net.bytes_received
+            msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
             if msg is None:
                 continue
-            step = self.round.handle(msg)
-            if step is not Step.TAKE:
-                if step is Step.COUNT:
-                    note_commit(self.net, record_of(msg))
-                continue
+            rec = msg.get("r")
+            if self._left_only and type(rec) is Data and rd.phase is Phase.RUNNING:
+                if rec.key != key or rec.lane != lane:
+                    continue  # stale: of an earlier, failed round, or of a lane round given up
+            else:
+                step = rd.handle(msg)
+                if step is not Step.TAKE:
+                    if step is Step.COUNT:
+                        note_commit(net, record_of(msg))
+                    continue
             # data that came after lost messages is not used; control messages are handled first
             # (a start or an abort of another round must not be lost with this one)
-            self._check_gap()
-            self.bytes_received += self.net.bytes_received - before
+            if self._gaps:
+                self._check_gap()
+            self.bytes_received += net.bytes_received - before
             return msg["h"], msg["b"]
 
     # -- the commit: a round's result is released only once every node of the ring holds it ------
@@ -265,6 +288,10 @@ class RoundTransport:
         book.aborted(key)
         raise error(f"round {key} cannot complete: {cause}; the surviving nodes settled it as failed ({why})")
 
+
+#: how often (s) at most a round's wait for data asks whether its peers are gone (lost, or shut down)
+#: while messages come; a wait with none asks at every heartbeat_interval-long poll
+LIVENESS_CHECK_INTERVAL = 0.1
 
 #: commit counts kept per net for rounds not finished here yet (a few: the rounds in flight)
 MAX_COMMITS_KEPT = 256

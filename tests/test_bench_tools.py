@@ -11,7 +11,7 @@ import pytest
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 ARGPARSE_TOOLS = ["loopcpu", "pyring", "rawring", "runnercpu", "sim", "sim_codec", "sim_shared",
-                  "sparse_oracle", "threadcpu", "diloco_sim", "diloco_loop_sim", "lowbit_error", "stepprofile"]
+                  "sparse_oracle", "threadcpu", "diloco_sim", "diloco_loop_sim", "lowbit_error", "stepprofile", "ringcalls"]
 
 
 def _tool(name: str, *args: str) -> subprocess.CompletedProcess:

@@ -105,3 +105,17 @@ def test_an_abort_keeps_the_class_its_origin_failed_the_round_with():
     assert type(errors.with_message(lost, "an earlier round failed")) is errors.PeerLostError
     assert type(errors.with_message(mismatch, "an earlier round failed")) is errors.RoundMismatchError
     assert type(errors.rebuild("NoSuchError", "x")) is errors.BirdnetError
+
+
+def test_a_round_key_whose_call_number_is_not_ascii_digits_is_refused_where_it_arrives():
+    """``"²"`` is a digit to str.isdigit() but not to int(): such a key passed check_peer and made
+    split_key raise ValueError downstream instead of being dropped as malformed."""
+    import pytest
+
+    from birdnet.errors import ProtocolError
+    for key in ("j/\u00b2", "j/\u0663", "j/", "j"):
+        assert wire.split_key(key) is None
+        with pytest.raises(ProtocolError, match="round key"):
+            wire.check_peer({"t": "data", "k": key}, 4)
+    assert wire.split_key("a/b/12") == ("a/b", 12)
+    wire.check_peer({"t": "data", "k": "a/b/12"}, 4)  # a job name may contain "/"

@@ -113,7 +113,8 @@ class _Checker:
         err = header.get("err")
         if err and self.error is None:
             self.error = str(err)
-        self._compare(header.get("tag"))
+        if self.error is None and header.get("tag") != self.tag:  # _compare's test, without its call
+            self._compare(header.get("tag"))
 
     def _compare(self, their: Any) -> None:
         if self.error is None and their != self.tag:
@@ -124,10 +125,13 @@ class _Checker:
             what = f" for tensor {self.tag['name']!r}" if "name" in self.tag else ""
             self.error = f"nodes disagree on the round{what}: " + "; ".join(diffs)
 
-    def header(self, phase: str, step: int, chunk: int) -> dict[str, Any]:
+    def header(self, phase: str, step: int, chunk: int, n: int | None = None) -> dict[str, Any]:
+        """A data message's header; ``n``: the processes summed so far (a lane round)."""
         h: dict[str, Any] = {"t": "data", "p": phase, "s": step, "c": chunk, "tag": self.tag}
         if self.error:
             h["err"] = self.error
+        if n is not None:
+            h["n"] = n
         return h
 
 
@@ -202,16 +206,12 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
                                 f"bytes from rank {(r - 1) % world}, got {[v.nbytes for v in bufs]}")
         return header, np.frombuffer(bufs[0], dtype=wdt)
 
-    def header(phase: str, step: int, ci: int, n: int | None) -> dict[str, Any]:
-        h = checker.header(phase, step, ci)
-        if n is not None:
-            h["n"] = n
-        return h
+    header = checker.header
 
-    def counted(h: dict[str, Any], what: str) -> int:
+    def counted(h: dict[str, Any], phase: str, step: int) -> int:
         n = h.get("n")
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 1 << 30:
-            raise ProtocolError(f"ring {what}: bad process count {n!r} from rank {(r - 1) % world}")
+        if type(n) is not int or not 0 <= n < 1 << 30:  # type(): not a bool either
+            raise ProtocolError(f"ring {phase} step {step}: bad process count {n!r} from rank {(r - 1) % world}")
         return n
 
     total = None
@@ -222,7 +222,7 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
         seg = (r - s - 1) % world
         for ci, (a, b) in enumerate(chunks[seg]):
             h, incoming = receive("rs", s, ci, a, b)
-            n = counted(h, f"rs step {s}") + count if count is not None else None
+            n = counted(h, "rs", s) + count if count is not None else None
             if s < world - 2:
                 # the partial sum, out + incoming (the same bits either way round: IEEE addition
                 # commutes), goes into the received buffer when it is writable, else a new one
@@ -253,7 +253,7 @@ def ring_allreduce(transport: Transport, x: np.ndarray, *, timeout: float, chunk
         seg = (r - s) % world
         for ci, (a, b) in enumerate(chunks[seg]):
             h, incoming = receive("ag", s, ci, a, b)
-            if count is not None and counted(h, f"ag step {s}") != total:
+            if count is not None and counted(h, "ag", s) != total:
                 # every segment's owner summed the same nodes' counts; a difference is a broken peer
                 raise ProtocolError(f"ring ag step {s}: rank {(r - 1) % world} counted {h.get('n')!r} "
                                     f"processes, this node {total}")
