@@ -46,6 +46,7 @@ from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importab
     description_digest,
     seed_for,
 )
+from birdnet.daemon import settle
 from birdnet.daemon.transport import RoundTransport
 
 from birdnet.config import Settings
@@ -517,6 +518,8 @@ class RingWorker(threading.Thread):
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
+        if settle.fault_at("exit-on-start", self.rank, key):  # a test's fault point
+            settle.exit_now()
         start = {"t": "start", "k": key, **ring.fields}
         rd = Round(key, ring, net.neighbour_restarts, time.monotonic() + self.settings.round_timeout)
         since, t0 = rd.since, time.monotonic()

@@ -506,6 +506,7 @@ class PeerNet:
                 self.numbering.answered(r)
             if header["t"] == "pong":
                 self.seen[r] = time.monotonic()
+                self._note_pong(r, header)
                 self._note_info(r, header)
                 if r == self.right.rank:
                     self.live.right_seen = self.seen[r]
@@ -516,6 +517,18 @@ class PeerNet:
                 if reason != self.refused.get(r):
                     log.error("%s refused this node: %s", who, reason)
                 self.refused[r] = reason
+
+    def _note_pong(self, r: int, h: dict[str, Any]) -> None:
+        """A pong from the right neighour ``r``: on the fixed ring, a new incarnation in it is a
+        restart seen from this side too (the left side sees it at its first ping). Without it a node
+        whose right neighbour restarted within peer_timeout waited round_timeout for a round the
+        new instance knows nothing of (a leader for its start, sent to the old instance; a lane
+        round the new instance never joins)."""
+        if not getattr(self.membership, "restarts_by_pong", False):
+            return
+        inc, old = h.get("inc"), self.info.get(r, {}).get("inc")
+        if isinstance(inc, str) and isinstance(old, str) and inc != old:
+            self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted (incarnation {inc})")
 
     def _note_info(self, r: int, h: dict[str, Any]) -> None:
         """What a ping or pong says of its sender's membership (elastic mode's epoch, incarnation, want)."""
@@ -670,8 +683,11 @@ class PeerNet:
             if old is not None:
                 self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
                 self._replaced.append(old)
-                # a restart: rounds in flight with r cannot complete (restarted_since, gone)
-                self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted (incarnation {h.get('inc')})")
+                # a restart: rounds in flight with r cannot complete (restarted_since, gone); on a
+                # two-node ring its pong may have told already (_note_pong)
+                if self.info.get(r, {}).get("inc") != h.get("inc") or not isinstance(h.get("inc"), str):
+                    self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted "
+                                              f"(incarnation {h.get('inc')})")
             self.identity_of[r] = identity
             self.identities[identity] = r
             # its numbering starts at this ping (what it sent before is held and released below)

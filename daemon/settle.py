@@ -289,7 +289,9 @@ def _read_answer(s: zmq.Socket, world: int, key: str, r: int) -> Report | None:
 # -- fault points for tests ---------------------------------------------------------------------------
 #: ``BIRDNET_FAULT_POINT=exit-in-commit:RANK:KEY``: the daemon of rank RANK exits (status 9) in round
 #: KEY's commit after it passed a count on and before it passes on the count that releases the next
-#: node: the window this module settles. Read once; tests only.
+#: node: the window this module settles. ``exit-on-start:RANK:KEY``: it exits as the leader's start
+#: of round KEY reaches it, before passing it on (a start lost with a daemon killed and restarted).
+#: Read once; tests only.
 FAULT_ENV = "BIRDNET_FAULT_POINT"
 FAULT_EXIT_STATUS = 9
 _fault = os.environ.get(FAULT_ENV, "")
@@ -297,7 +299,12 @@ _fault = os.environ.get(FAULT_ENV, "")
 
 def exit_in_commit(rank: int, key: str) -> bool:
     """Whether the test fault point names this node and round (see FAULT_ENV)."""
-    return bool(_fault) and _fault == f"exit-in-commit:{rank}:{key}"
+    return fault_at("exit-in-commit", rank, key)
+
+
+def fault_at(point: str, rank: int, key: str) -> bool:
+    """Whether the test fault point ``point`` names this node and round (see FAULT_ENV)."""
+    return bool(_fault) and _fault == f"{point}:{rank}:{key}"
 
 
 def exit_now() -> None:

@@ -183,6 +183,31 @@ def test_a_daemon_dying_inside_the_commit_splits_no_call(tmp_path, drivers, monk
         assert [r[0].get("ok") for r in after[1:]] == [6.0, 6.0], after
 
 
+@pytest.mark.timeout(120)
+def test_a_start_lost_with_a_restarted_daemon_fails_the_call_at_once(tmp_path, drivers, monkeypatch):  # noqa: F811
+    """Daemon 1 of 3 exits as the leader's start of call 0 reaches it, before passing it on, and is
+    restarted at once (within peer_timeout: nobody counts it lost). The leader waits for its start to
+    come back: it saw only its left neighbour's restarts, so it waited round_timeout (20 s here),
+    holding every node's call. Now it sees its right neighbour's new incarnation in a pong: the call
+    fails at once on every surviving node (not with RoundTimeoutError), and the next one succeeds."""
+    monkeypatch.setenv(FAULT_ENV, "exit-on-start:1:default/0")
+    with LocalCluster(3, tmp_path, extra=["--round-timeout", "20"]) as cl:
+        monkeypatch.delenv(FAULT_ENV)  # a restarted daemon 1 does not exit again
+        d = [drivers(s) for s in cl.sockets]
+        t = time.monotonic()
+        for x in d:
+            x.send("round 1000")
+        assert cl.procs[1].wait(30) == FAULT_EXIT_STATUS, cl.log(1)[-3000:]
+        cl.start_node(1)
+        res = [x.read(40) for x in d]
+        took = time.monotonic() - t
+        assert res[1].get("error") == "DaemonUnavailableError", res
+        for r in (res[0], res[2]):
+            assert r.get("error") in ("PeerLostError", "RoundAborted"), (res, cl.log(0)[-3000:])
+        assert took < PEER_TIMEOUT + 6, (took, res)  # round_timeout is 20 s
+        assert [r.get("ok") for r in together(d, "round 1000")] == [6.0] * 3
+
+
 def _answers(s: zmq.Socket, most: int, wait: float = 3.0) -> list[dict]:
     """The 'settled' answers that come on ``s`` (up to ``most``; the malformed questions get a 'refuse')."""
     out: list[dict] = []

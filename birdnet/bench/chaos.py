@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-interval", type=float, default=0.25)
     ap.add_argument("--call-timeout", type=float, default=30.0, help="the client's timeout and round_timeout (s)")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--logs", help="keep the daemons' and processes' logs in this directory (default: removed)")
     a = ap.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     rng = random.Random(a.seed)
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_chaos(nodes=a.nodes, floats=a.floats, codec=a.codec, faults=faults, stop_seconds=a.stop_seconds,
                     seed=a.seed, peer_timeout=a.peer_timeout, heartbeat_interval=a.heartbeat_interval,
                     call_timeout=a.call_timeout, link_seconds=a.link_seconds,
-                    echo=lambda s: print(s, file=sys.stderr, flush=True))
+                    tmp=Path(a.logs) if a.logs else None, echo=lambda s: print(s, file=sys.stderr, flush=True))
     bad = verdict(res)
     res["failed_checks"] = bad
     text = json.dumps(res, indent=1)
