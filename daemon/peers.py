@@ -100,6 +100,11 @@ class PeerNet:
         self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
         self.refused: dict[int, str] = {}  #: rank -> why it refused this node's pings
         self.last_ping = 0.0
+        #: a gap between two pings longer than this is a stall of this node (maybe_ping): half of
+        #: peer_timeout, before the others can count it lost
+        self.stall_limit = max(settings.peer_timeout / 2, 4 * settings.heartbeat_interval)
+        self.stalled_at = 0.0  #: monotonic time the last stall ended (0: none)
+        self.stalled_for = 0.0  #: how long it lasted (s)
         self.dropped = 0
         #: messages dropped because a field of theirs failed their record's checks (messages.peer_record)
         self.malformed = 0
@@ -356,6 +361,11 @@ class PeerNet:
         now = time.monotonic()
         if now - self.last_ping < self.settings.heartbeat_interval:
             return
+        if self.last_ping and now - self.last_ping > self.stall_limit:
+            # no ping went out for long (this process was stopped or starved): the others may have
+            # counted this node lost meanwhile (RoundTransport.await_commit does not trust its count)
+            self.stalled_at, self.stalled_for = now, now - self.last_ping
+            log.warning("no ping went out for %.1f s (this daemon was stopped or starved)", self.stalled_for)
         self.last_ping = now
         try:
             self._send_ping()

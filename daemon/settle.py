@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -243,7 +244,7 @@ def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None
                 rep = _read_answer(s, net.world, key, r)
                 if rep is not None and r not in reports:
                     reports[r] = rep
-            if len(reports) == net.world or final(reports):
+            if len(reports) == net.world or final(reports) or _rest_lost(net, reports):
                 break
             msg = net.poll(SETTLE_POLL_INTERVAL, data=True)
             if msg is not None:
@@ -257,6 +258,15 @@ def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None
         f", none from {', '.join(map(str, silent))}" if silent else "")
     log.warning("round %s settled among the surviving nodes: %s (%s)", key, "commit" if commit else "abort", detail)
     return commit, detail
+
+
+def _rest_lost(net: Any, reports: Mapping[int, Report]) -> bool:
+    """Whether the ranks that have not answered are all counted lost (nothing heard from them for
+    peer_timeout) and the answers are from a majority of the ring: waiting longer for the lost
+    would only make the settlement last peer_timeout more. A minority waits (this node may be the
+    one cut off, or its view of who is lost may be stale after it was stopped)."""
+    lost = net.lost() if hasattr(net, "lost") else set()
+    return bool(lost) and 2 * len(reports) > net.world and set(range(net.world)) - set(reports) <= lost
 
 
 def _dealer(net: Any, r: int) -> zmq.Socket:
@@ -291,7 +301,8 @@ def _read_answer(s: zmq.Socket, world: int, key: str, r: int) -> Report | None:
 #: KEY's commit after it passed a count on and before it passes on the count that releases the next
 #: node: the window this module settles. ``exit-on-start:RANK:KEY``: it exits as the leader's start
 #: of round KEY reaches it, before passing it on (a start lost with a daemon killed and restarted).
-#: Read once; tests only.
+#: ``stop-in-commit:RANK:KEY``: it stops itself (SIGSTOP; the test continues it) as round KEY's commit
+#: begins there, before it passes any count on. Read once; tests only.
 FAULT_ENV = "BIRDNET_FAULT_POINT"
 FAULT_EXIT_STATUS = 9
 _fault = os.environ.get(FAULT_ENV, "")
@@ -305,6 +316,12 @@ def exit_in_commit(rank: int, key: str) -> bool:
 def fault_at(point: str, rank: int, key: str) -> bool:
     """Whether the test fault point ``point`` names this node and round (see FAULT_ENV)."""
     return bool(_fault) and _fault == f"{point}:{rank}:{key}"
+
+
+def stop_now() -> None:
+    log.warning("fault point %s: stopping (SIGSTOP)", _fault)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)  # the stop takes the whole process a moment: this thread sends nothing before it
 
 
 def exit_now() -> None:

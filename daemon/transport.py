@@ -46,6 +46,7 @@ class RoundTransport:
         self.rank, self.world = self.neighbours.rank, self.neighbours.world
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.began = time.monotonic()  #: a stall of this node after this (PeerNet.stalled_at) voids the count
         self.trackers: list[Any] = []
         #: set when the round's commit was settled (daemon/settle.py) because the left neighbour
         #: restarted: its new instance knows nothing of a lane granted before (RingWorker._open_lane)
@@ -161,17 +162,22 @@ class RoundTransport:
         left neighbour says world - 1. That costs at most world - 1 small messages per node and
         world - 1 hops after the last node finished. A failure before then (a restarted neighbour,
         an abort, a gap in the numbering, ``timeout`` without the count) fails the round here like a
-        failure of its data phase; raises like :meth:`recv`. A peer merely counted lost is waited
-        for (up to ``timeout``): every node may hold the result and one may have released it, and a
-        stopped node that continues completes the count. Messages of later rounds that
-        come meanwhile (the left neighbour released the round and went on) are put back for the
-        next reader in order."""
+        failure of its data phase; raises like :meth:`recv`. A peer counted lost (nothing heard
+        for peer_timeout) settles the round at once when the nodes still heard are a majority of
+        the ring (a minority, e.g. a node whose own link is down, cannot tell a dead peer from its
+        own isolation: it waits for the others to be heard again, or for ``timeout``). Once a
+        peer was counted lost, or this node itself did not run for long (stopped: the others may
+        have settled the round without it), the count alone is not trusted: the round is settled.
+        Messages of later rounds that come meanwhile (the left neighbour released the round and
+        went on) are put back for the next reader in order."""
         need = self.world - 1
         if need < 1:
             return
         net, nb, key = self.net, self.neighbours, self.key
         book = net.settle_book  # settlement (daemon/settle.py): what this node tells askers
         book.holding(key)
+        if settle.fault_at("stop-in-commit", net.rank, key):  # a test's fault point
+            settle.stop_now()
         deadline = time.monotonic() + timeout
         sent = 0
         later: list[dict] = []
@@ -192,6 +198,8 @@ class RoundTransport:
 
         rd = self.round
         rd.phase = Phase.COMMITTING
+        #: why the count alone is no longer trusted (a peer counted lost, this node stalled)
+        unsure: str | None = None
 
         try:
             while True:
@@ -209,17 +217,25 @@ class RoundTransport:
                     recent = getattr(net, "recent_commits", None)
                     if recent is not None:
                         recent.append((nb.right_rank, h))
+                # This node stalled since the round began (stopped, starved: no ping went out for
+                # long, PeerNet.maybe_ping): the others may have counted it lost and settled the
+                # round without it, so a count read now (perhaps queued before) is not trusted.
+                net.maybe_ping()
+                if unsure is None and getattr(net, "stalled_at", 0.0) > self.began:
+                    unsure = (f"birdnetd on rank {net.rank} did not run for {net.stalled_for:.1f} s (stopped?): "
+                              "the others may have settled the round without it")
                 now = time.monotonic()
                 # Past the deadline the count is not trusted alone (this node may have been stopped
-                # while the others settled without it), nor once a node asked this one to settle.
-                if have >= need and now < deadline and not book.frozen(key):
+                # while the others settled without it), nor once a node asked this one to settle,
+                # nor once a peer was counted lost or this node stalled (``unsure``).
+                if have >= need and now < deadline and not book.frozen(key) and unsure is None:
                     book.released(key)
                     return
-                # A peer merely silent (lost) is waited for: this node holds the result, and so may
-                # every other, one of which may have released it already; a stopped node that
-                # continues completes the count. A restarted neighbour cannot (its new instance
-                # knows nothing of the round), lost messages may have been counts, and at the
-                # deadline the wait ends: then the surviving nodes settle the round together.
+                # A restarted neighbour cannot complete the count (its new instance knows nothing of
+                # the round), lost messages may have been counts, a lost peer may never send its
+                # own: the surviving nodes settle the round together. A lost peer settles it at once
+                # when the nodes still heard are a majority; a minority (this node may be the one cut
+                # off) waits until they are heard again, or the deadline.
                 cause, error = None, PeerLostError
                 restarted = net.restarted_since(self.restarts_at)
                 if net.stopping:
@@ -235,6 +251,15 @@ class RoundTransport:
                              f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
                 elif book.frozen(key):
                     cause = "another node asked to settle it"
+                else:
+                    lost = net.lost()
+                    if lost:
+                        why = f"lost peer {net.describe_lost(lost)} during its commit"
+                        unsure = unsure or why
+                        if 2 * (self.world - len(lost)) > self.world:
+                            cause = why
+                    elif unsure is not None:
+                        cause = f"{unsure}; every peer is heard again"
                 if cause is not None:
                     self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError)
                     return
