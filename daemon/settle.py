@@ -39,7 +39,7 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -215,11 +215,14 @@ def answer(net: Any, identity: bytes, h: dict[str, Any], who: str | None = None)
 
 
 # -- asking ---------------------------------------------------------------------------------------
-def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None]) -> tuple[bool, str]:
+def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None],
+           may_wait: bool = False) -> tuple[bool | None, str]:
     """Settle round ``key`` with every other node of the ring: ask each on its peer port, wait up to
     ``timeout`` for the answers (stopping early once one decides it), and return :func:`decide`'s
     (commit?, why). The peer net keeps being served meanwhile (heartbeats, others' questions);
-    what its poll returns goes to ``on_message``, which may raise to end the settlement."""
+    what its poll returns goes to ``on_message``, which may raise to end the settlement.
+    ``may_wait`` (before the commit's deadline): an abort that a silent node's release could
+    contradict (:func:`abort_safe`) is not decided: (None, why), and the caller waits on."""
     book = book_of(net)
     book.settlements += 1
     reports: dict[int, Report] = {net.rank: book.report(key)}
@@ -256,8 +259,29 @@ def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None
     silent = sorted(set(range(net.world)) - set(reports))
     detail = f"{why}; answers from rank(s) {', '.join(map(str, sorted(reports)))}" + (
         f", none from {', '.join(map(str, silent))}" if silent else "")
+    if may_wait and not commit and not abort_safe(reports, net.world, silent):
+        log.warning("round %s not settled yet: a silent node may have released it (%s); waiting for it", key, detail)
+        return None, detail
     log.warning("round %s settled among the surviving nodes: %s (%s)", key, "commit" if commit else "abort", detail)
     return commit, detail
+
+
+def abort_safe(reports: Mapping[int, Report], world: int, silent: Sequence[int]) -> bool:
+    """Whether no silent rank can have released the round, by what its left neighbour answered: a
+    node releases only on a count of world - 1 from its left, which its left sends only once it
+    knows world - 1 nodes held the result (itself included); a node whose answer is frozen passes
+    no count on (RoundTransport.await_commit). A left neighbour that is silent too, or knows that
+    many, leaves the silent node's release possible: the survivors then wait for it (it may be
+    stopped, or cut off, with its proof in flight) instead of failing a call it may have returned."""
+    for x in silent:
+        left = reports.get((x - 1) % world)
+        if left is None:
+            return False
+        if left.state in (RELEASED, ABORTED):
+            continue
+        if left.state == HOLDS and len(left.known) >= world - 1:
+            return False
+    return True
 
 
 def _rest_lost(net: Any, reports: Mapping[int, Report]) -> bool:

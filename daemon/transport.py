@@ -200,12 +200,17 @@ class RoundTransport:
         rd.phase = Phase.COMMITTING
         #: why the count alone is no longer trusted (a peer counted lost, this node stalled)
         unsure: str | None = None
+        #: a settlement left the round undecided (a silent node may have released it): settle again
+        #: once every peer is heard, a neighbour restarts, or at the deadline
+        undecided = False
 
         try:
             while True:
                 have = commit_count(net, key)
                 c = min(need, 1 + have)
-                if c > sent:
+                # a node whose answer is frozen passes no count on: the answer says how far its
+                # counts can have gone (settle.abort_safe)
+                if c > sent and not book.frozen(key):
                     if c == need and settle.exit_in_commit(net.rank, key):  # a test's fault point
                         if sent == 0 and need > 1:
                             c = need - 1  # pass a smaller count on first: the ring is mid-commit
@@ -249,20 +254,27 @@ class RoundTransport:
                     why = nb.why_gone(net, key, self.restarts_at)
                     cause = (f"the nodes did not all confirm holding the result within {timeout} s (the commit "
                              f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
-                elif book.frozen(key):
+                elif book.frozen(key) and not undecided:
                     cause = "another node asked to settle it"
                 else:
                     lost = net.lost()
                     if lost:
                         why = f"lost peer {net.describe_lost(lost)} during its commit"
                         unsure = unsure or why
-                        if 2 * (self.world - len(lost)) > self.world:
+                        if 2 * (self.world - len(lost)) > self.world and not undecided:
                             cause = why
-                    elif unsure is not None:
-                        cause = f"{unsure}; every peer is heard again"
+                    elif unsure is not None or undecided:
+                        cause = f"{unsure or 'a silent peer'}; every peer is heard again"
                 if cause is not None:
-                    self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError)
-                    return
+                    if restarted:
+                        self.restarts_at = net.neighbour_restarts  # seen: settle again only on another
+                    # before the deadline an abort a silent node's release could contradict waits
+                    may_wait = now < deadline and error is PeerLostError
+                    if self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError,
+                                    may_wait=may_wait):
+                        return
+                    undecided = True
+                    continue
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
                 if msg is not None:
                     take(msg)
@@ -271,22 +283,27 @@ class RoundTransport:
             if later:
                 net.held.ready.extendleft(reversed(later))
 
-    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False) -> None:
-        """Settle the round with the other nodes (daemon/settle.py): return to release it, raise
-        ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
-        wait for the count release too (or, asked already, settle and find this node's release)."""
+    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False,
+                may_wait: bool = False) -> bool:
+        """Settle the round with the other nodes (daemon/settle.py): True to release it, raise
+        ``error`` to fail it, False when it is not decided yet (``may_wait``: a silent node may
+        have released it; the commit wait goes on). A commit passes world - 1 on, so the nodes
+        after this one that wait for the count release too (or, asked already, settle and find
+        this node's release)."""
         net, key = self.net, self.key
         book = net.settle_book
-        commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
+        commit, why = settle.settle(net, key, net.settings.peer_timeout, take, may_wait=may_wait)
         if restarted:
             self.settled_after_restart = f"{cause}: {why}"
+        if commit is None:
+            return False
         if commit:
             book.released(key)
             try:
                 self.neighbours.send(net, {"t": "commit", "k": key, "c": self.world - 1})
             except PeerLostError:
                 pass  # the right neighbour is gone: it settles or restarts
-            return
+            return True
         book.aborted(key)
         raise error(f"round {key} cannot complete: {cause}; the surviving nodes settled it as failed ({why})")
 
