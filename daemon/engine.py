@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from birdnet.daemon import settle
 from birdnet.daemon.agreement import MAX_BATCH, description, verdicts_of_start  # noqa: F401 - MAX_BATCH as before
 from birdnet.daemon.failures import RoundFailures
 from birdnet.daemon.lane import DenseLane, lane_eligible
@@ -46,7 +47,6 @@ from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importab
     description_digest,
     seed_for,
 )
-from birdnet.daemon import settle
 from birdnet.daemon.transport import RoundTransport
 
 from birdnet.config import Settings

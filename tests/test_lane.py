@@ -379,6 +379,7 @@ def test_a_close_request_that_reaches_the_leader_before_its_lane_opens_keeps_it_
     (its lane not open yet) it was dropped: the leader then opened the lane, ran the next round in
     it alone and waited round_timeout for it (RoundTimeoutError) while the others waited for a start."""
     from birdnet.daemon.lane import DenseLane
+
     from birdnet.messages import LaneClose
     net = _LaneNet()
     lane = DenseLane(net, 0, 3, True)
