@@ -256,6 +256,8 @@ class RoundTransport:
                              f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
                 elif book.frozen(key) and not undecided:
                     cause = "another node asked to settle it"
+                elif undecided and have >= need:
+                    cause = "a count of world - 1 came (a node settled it as a success)"
                 else:
                     lost = net.lost()
                     if lost:
