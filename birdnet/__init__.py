@@ -16,8 +16,9 @@ __version__ = "0.1.0"
 #: Wire protocol version; peers and clients refuse a different one (see birdnet.wire). 2: a merged
 #: (Marsit) round's scales ride from reduce-scatter step 1 and in all-gather step 0. 3: rounds end
 #: with a ``commit`` count round the ring (every node holds the result before any releases it). 4: a
-#: commit that cannot finish is settled among the surviving nodes (``settle`` / ``settled``).
-PROTOCOL_VERSION = 4
+#: commit that cannot finish is settled among the surviving nodes (``settle`` / ``settled``). 5: a
+#: fixed ring's pongs carry the incarnation (a node sees its right neighbour's restart too).
+PROTOCOL_VERSION = 5
 
 from birdnet.errors import BirdnetError  # noqa: E402
 

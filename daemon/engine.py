@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from birdnet.daemon import settle
 from birdnet.daemon.agreement import MAX_BATCH, description, verdicts_of_start  # noqa: F401 - MAX_BATCH as before
 from birdnet.daemon.failures import RoundFailures
 from birdnet.daemon.lane import DenseLane, lane_eligible
@@ -291,7 +292,7 @@ class RingWorker(threading.Thread):
         if self.lane.closed_at == round_key(job, seq + 1):
             self.lane.close()  # the leader closed the lane at the next round while this one ran
         else:
-            self._open_lane(job, seq + 1)
+            self._open_lane(job, seq + 1, self.lane.since)
 
     # -- main loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -481,7 +482,7 @@ class RingWorker(threading.Thread):
             self._finish(rnd, exc)
             return
         self._applied(ring, None)
-        self._granted(self._run_batch(verdicts, rd), lane)
+        self._granted(self._run_batch(verdicts, rd), lane, rd.since)
 
     def _run_batch(self, verdicts: list[Verdict], agreed: Round) -> bool:
         """Run the rounds of agreement ``agreed`` in order on its ring. Once one fails in its data
@@ -517,6 +518,8 @@ class RingWorker(threading.Thread):
         if ring is None:
             return
         self.lane.close()  # a start: the leader is not in the lane (it closed it, or never opened it)
+        if settle.fault_at("exit-on-start", self.rank, key):  # a test's fault point
+            settle.exit_now()
         start = {"t": "start", "k": key, **ring.fields}
         rd = Round(key, ring, net.neighbour_restarts, time.monotonic() + self.settings.round_timeout)
         since, t0 = rd.since, time.monotonic()
@@ -600,17 +603,18 @@ class RingWorker(threading.Thread):
         lane = g.lane if self.lane.allowed else None
         if lane is not None:
             self.lane.expect(lane[0], lane[1])  # before the batch runs: see DenseLane.expect
-        self._granted(self._run_batch(verdicts, rd), lane)
+        self._granted(self._run_batch(verdicts, rd), lane, rd.since)
 
-    def _granted(self, batch_ok: bool, lane: Any) -> None:
-        """After an agreed batch: open the lane its ``go`` granted, if every round ran here."""
+    def _granted(self, batch_ok: bool, lane: Any, since: int | None = None) -> None:
+        """After an agreed batch: open the lane its ``go`` granted, if every round ran here
+        (``since``: net.neighbour_restarts when its agreement began: a restart since closes it)."""
         self.lane.closed_at = None
         if lane is not None and batch_ok:
-            self._open_lane(lane[0], lane[1])
+            self._open_lane(lane[0], lane[1], since)
         else:
             self.lane.close()
 
-    def _open_lane(self, job: str, seq: int) -> None:
+    def _open_lane(self, job: str, seq: int, since: int | None = None) -> None:
         if self.settled_at is not None:
             # settlement hook: after a round settled among the surviving nodes the lane stays
             # closed, here and (asked) at the leader, which may have opened it before the fault
@@ -618,7 +622,7 @@ class RingWorker(threading.Thread):
             self.lane.close()
             self.lane.request_close(round_key(job, seq), "a round before it was settled among the surviving nodes")
             return
-        self.lane.open(job, seq)
+        self.lane.open(job, seq, since)
 
     def _pass_go(self, rd: Round) -> None:
         """Forward the leader's verdict on round ``rd``, which this node has no local part in."""

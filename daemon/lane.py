@@ -69,6 +69,11 @@ class DenseLane:
         self.given_up = 0  #: lane rounds given up here because the leader closed the lane
         self.running: str | None = None  #: the lane round in its data phase here
         self.closed_at: Any = None  #: the round key of the leader's last ``lane`` close seen here
+        #: the leader: a request to close the lane at this round key that came while its lane was
+        #: not open yet (it was in the commit of the round before, or settling it). The lane must
+        #: not open at that round: the node that asked will not run it without an agreement, and
+        #: the leader would wait round_timeout for it in the lane.
+        self.refused: str | None = None
 
     def expect(self, job: str, seq: int) -> None:
         """Keep lane data of round ``job/seq`` (and the one after) that comes before this node runs
@@ -77,9 +82,16 @@ class DenseLane:
         waiting for it."""
         self.net.set_lane_keys((round_key(job, seq), round_key(job, seq + 1)))
 
-    def open(self, job: str, seq: int) -> None:
+    def open(self, job: str, seq: int, since: int | None = None) -> None:
+        """Open the lane at round ``job/seq``. ``since``: net.neighbour_restarts when the agreement
+        that granted it began (default: now), so a restart during that agreement's rounds closes it
+        before its first round (RingWorker._lane_step)."""
+        key, refused, self.refused = round_key(job, seq), self.refused, None
+        if refused == key:
+            self.leader_close(key)  # asked before it opened: it stays closed on every node
+            return
         self.at = (job, seq)
-        self.since = self.net.neighbour_restarts
+        self.since = self.net.neighbour_restarts if since is None else since
         self.expect(job, seq)
 
     def close(self) -> None:
@@ -117,6 +129,8 @@ class DenseLane:
                     pass
             elif self.at is not None and self.running is None:
                 self.leader_close(round_key(*self.at))
+            elif self.at is None:
+                self.refused = rec.key  # the lane may be about to open at it (see ``refused``)
             return
         self.close()
         # it may name the round after the one this node is still running in the lane: that round

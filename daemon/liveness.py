@@ -34,8 +34,9 @@ class PeerLiveness:
         #: flight here then cannot complete (the new instance knows nothing of it), see
         #: FixedNeighbours.gone. Its first ping is a precise cut: what it sends before that ping is
         #: held (HeldMessages), what the old instance sent after it is dropped (PeerNet._replaced). The
-        #: right-hand side would learn later (after its reconnection and a pong), so only this side
-        #: looks; its abort reaches every node.
+        #: right-hand side learns a little later, from the new incarnation in a pong (PeerNet._note_pong):
+        #: a round of its own the new instance never saw (a leader's start, a lane round) then
+        #: fails at once instead of at round_timeout.
         self.neighbour_restarts = 0
         self.last_restart = ""  #: which neighbour restarted last, for error messages
         #: rank -> neighbour_restarts right after its latest restart was seen (a new identity)

@@ -256,6 +256,8 @@ class FixedRing:
     message_types: tuple[str, ...] = ("start", "go", "abort", "data", "lane", "commit")
     #: pings carry the ranks the sender counts lost, and a node adds what its left neighbour reports
     relays_lost = True
+    #: pongs carry the incarnation, so a node sees its right neighbour's restart too (PeerNet._note_pong)
+    restarts_by_pong = True
 
     def __init__(self, settings: Any, rank: int, world: int) -> None:
         self.settings, self.rank, self.world = settings, rank, world
@@ -287,8 +289,10 @@ class FixedRing:
         return {}
 
     def pong_fields(self, net: Any) -> dict[str, Any]:
-        """What this node's pongs carry besides its rank."""
-        return {}
+        """What this node's pongs carry besides its rank: its incarnation, by which the left
+        neighbour sees it restarted (a leader whose start or lane data went to the old instance
+        would otherwise wait round_timeout for it)."""
+        return {"inc": net.incarnation}
 
     def describe_peer(self, net: Any, r: int, side: str) -> str:
         """Rank ``r`` in messages, as the ``side`` ("left" or "right") neighbour it is to this node."""

@@ -101,6 +101,11 @@ class PeerNet:
         self.info: dict[int, dict[str, Any]] = {}  #: rank -> {"ep", "inc", "want"} from its pings/pongs
         self.refused: dict[int, str] = {}  #: rank -> why it refused this node's pings
         self.last_ping = 0.0
+        #: a gap between two pings longer than this is a stall of this node (maybe_ping): half of
+        #: peer_timeout, before the others can count it lost
+        self.stall_limit = max(settings.peer_timeout / 2, 4 * settings.heartbeat_interval)
+        self.stalled_at = 0.0  #: monotonic time the last stall ended (0: none)
+        self.stalled_for = 0.0  #: how long it lasted (s)
         self.dropped = 0
         #: messages dropped because a field of theirs failed their record's checks (messages.peer_record)
         self.malformed = 0
@@ -369,6 +374,11 @@ class PeerNet:
         now = time.monotonic()
         if now - self.last_ping < self.settings.heartbeat_interval:
             return
+        if self.last_ping and now - self.last_ping > self.stall_limit:
+            # no ping went out for long (this process was stopped or starved): the others may have
+            # counted this node lost meanwhile (RoundTransport.await_commit does not trust its count)
+            self.stalled_at, self.stalled_for = now, now - self.last_ping
+            log.warning("no ping went out for %.1f s (this daemon was stopped or starved)", self.stalled_for)
         self.last_ping = now
         try:
             self._send_ping()
@@ -540,6 +550,7 @@ class PeerNet:
                 self.numbering.answered(r)
             if header["t"] == "pong":
                 self.seen[r] = time.monotonic()
+                self._note_pong(r, header)
                 self._note_info(r, header)
                 if r == self.right.rank:
                     self.live.right_seen = self.seen[r]
@@ -550,6 +561,18 @@ class PeerNet:
                 if reason != self.refused.get(r):
                     log.error("%s refused this node: %s", who, reason)
                 self.refused[r] = reason
+
+    def _note_pong(self, r: int, h: dict[str, Any]) -> None:
+        """A pong from the right neighour ``r``: on the fixed ring, a new incarnation in it is a
+        restart seen from this side too (the left side sees it at its first ping). Without it a node
+        whose right neighbour restarted within peer_timeout waited round_timeout for a round the
+        new instance knows nothing of (a leader for its start, sent to the old instance; a lane
+        round the new instance never joins)."""
+        if not getattr(self.membership, "restarts_by_pong", False):
+            return
+        inc, old = h.get("inc"), self.info.get(r, {}).get("inc")
+        if isinstance(inc, str) and isinstance(old, str) and inc != old:
+            self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted (incarnation {inc})")
 
     def _note_info(self, r: int, h: dict[str, Any]) -> None:
         """What a ping or pong says of its sender's membership (elastic mode's epoch, incarnation, want)."""
@@ -716,8 +739,11 @@ class PeerNet:
             if old is not None:
                 self.identities.pop(old, None)  # an earlier incarnation: its messages are dropped now
                 self._replaced.append(old)
-                # a restart: rounds in flight with r cannot complete (restarted_since, gone)
-                self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted (incarnation {h.get('inc')})")
+                # a restart: rounds in flight with r cannot complete (restarted_since, gone); on a
+                # two-node ring its pong may have told already (_note_pong)
+                if self.info.get(r, {}).get("inc") != h.get("inc") or not isinstance(h.get("inc"), str):
+                    self.live.note_restart(r, f"rank {r} ({self.peers[r].address}) restarted "
+                                              f"(incarnation {h.get('inc')})")
             self.identity_of[r] = identity
             self.identities[identity] = r
             # its numbering starts at this ping (what it sent before is held and released below)

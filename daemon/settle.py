@@ -36,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import zmq
@@ -214,11 +215,14 @@ def answer(net: Any, identity: bytes, h: dict[str, Any], who: str | None = None)
 
 
 # -- asking ---------------------------------------------------------------------------------------
-def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None]) -> tuple[bool, str]:
+def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None],
+           may_wait: bool = False) -> tuple[bool | None, str]:
     """Settle round ``key`` with every other node of the ring: ask each on its peer port, wait up to
     ``timeout`` for the answers (stopping early once one decides it), and return :func:`decide`'s
     (commit?, why). The peer net keeps being served meanwhile (heartbeats, others' questions);
-    what its poll returns goes to ``on_message``, which may raise to end the settlement."""
+    what its poll returns goes to ``on_message``, which may raise to end the settlement.
+    ``may_wait`` (before the commit's deadline): an abort that a silent node's release could
+    contradict (:func:`abort_safe`) is not decided: (None, why), and the caller waits on."""
     book = book_of(net)
     book.settlements += 1
     reports: dict[int, Report] = {net.rank: book.report(key)}
@@ -243,7 +247,7 @@ def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None
                 rep = _read_answer(s, net.world, key, r)
                 if rep is not None and r not in reports:
                     reports[r] = rep
-            if len(reports) == net.world or final(reports):
+            if len(reports) == net.world or final(reports) or _rest_lost(net, reports):
                 break
             msg = net.poll(SETTLE_POLL_INTERVAL, data=True)
             if msg is not None:
@@ -255,8 +259,38 @@ def settle(net: Any, key: str, timeout: float, on_message: Callable[[dict], None
     silent = sorted(set(range(net.world)) - set(reports))
     detail = f"{why}; answers from rank(s) {', '.join(map(str, sorted(reports)))}" + (
         f", none from {', '.join(map(str, silent))}" if silent else "")
+    if may_wait and not commit and not abort_safe(reports, net.world, silent):
+        log.warning("round %s not settled yet: a silent node may have released it (%s); waiting for it", key, detail)
+        return None, detail
     log.warning("round %s settled among the surviving nodes: %s (%s)", key, "commit" if commit else "abort", detail)
     return commit, detail
+
+
+def abort_safe(reports: Mapping[int, Report], world: int, silent: Sequence[int]) -> bool:
+    """Whether no silent rank can have released the round, by what its left neighbour answered: a
+    node releases only on a count of world - 1 from its left, which its left sends only once it
+    knows world - 1 nodes held the result (itself included); a node whose answer is frozen passes
+    no count on (RoundTransport.await_commit). A left neighbour that is silent too, or knows that
+    many, leaves the silent node's release possible: the survivors then wait for it (it may be
+    stopped, or cut off, with its proof in flight) instead of failing a call it may have returned."""
+    for x in silent:
+        left = reports.get((x - 1) % world)
+        if left is None:
+            return False
+        if left.state in (RELEASED, ABORTED):
+            continue
+        if left.state == HOLDS and len(left.known) >= world - 1:
+            return False
+    return True
+
+
+def _rest_lost(net: Any, reports: Mapping[int, Report]) -> bool:
+    """Whether the ranks that have not answered are all counted lost (nothing heard from them for
+    peer_timeout) and the answers are from a majority of the ring: waiting longer for the lost
+    would only make the settlement last peer_timeout more. A minority waits (this node may be the
+    one cut off, or its view of who is lost may be stale after it was stopped)."""
+    lost = net.lost() if hasattr(net, "lost") else set()
+    return bool(lost) and 2 * len(reports) > net.world and set(range(net.world)) - set(reports) <= lost
 
 
 def _dealer(net: Any, r: int) -> zmq.Socket:
@@ -289,7 +323,10 @@ def _read_answer(s: zmq.Socket, world: int, key: str, r: int) -> Report | None:
 # -- fault points for tests ---------------------------------------------------------------------------
 #: ``BIRDNET_FAULT_POINT=exit-in-commit:RANK:KEY``: the daemon of rank RANK exits (status 9) in round
 #: KEY's commit after it passed a count on and before it passes on the count that releases the next
-#: node: the window this module settles. Read once; tests only.
+#: node: the window this module settles. ``exit-on-start:RANK:KEY``: it exits as the leader's start
+#: of round KEY reaches it, before passing it on (a start lost with a daemon killed and restarted).
+#: ``stop-in-commit:RANK:KEY``: it stops itself (SIGSTOP; the test continues it) as round KEY's commit
+#: begins there, before it passes any count on. Read once; tests only.
 FAULT_ENV = "BIRDNET_FAULT_POINT"
 FAULT_EXIT_STATUS = 9
 _fault = os.environ.get(FAULT_ENV, "")
@@ -297,7 +334,18 @@ _fault = os.environ.get(FAULT_ENV, "")
 
 def exit_in_commit(rank: int, key: str) -> bool:
     """Whether the test fault point names this node and round (see FAULT_ENV)."""
-    return bool(_fault) and _fault == f"exit-in-commit:{rank}:{key}"
+    return fault_at("exit-in-commit", rank, key)
+
+
+def fault_at(point: str, rank: int, key: str) -> bool:
+    """Whether the test fault point ``point`` names this node and round (see FAULT_ENV)."""
+    return bool(_fault) and _fault == f"{point}:{rank}:{key}"
+
+
+def stop_now() -> None:
+    log.warning("fault point %s: stopping (SIGSTOP)", _fault)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(0.5)  # the stop takes the whole process a moment: this thread sends nothing before it
 
 
 def exit_now() -> None:

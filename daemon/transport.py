@@ -46,6 +46,7 @@ class RoundTransport:
         self.rank, self.world = self.neighbours.rank, self.neighbours.world
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.began = time.monotonic()  #: a stall of this node after this (PeerNet.stalled_at) voids the count
         self.trackers: list[Any] = []
         #: set when the round's commit was settled (daemon/settle.py) because the left neighbour
         #: restarted: its new instance knows nothing of a lane granted before (RingWorker._open_lane)
@@ -184,17 +185,22 @@ class RoundTransport:
         left neighbour says world - 1. That costs at most world - 1 small messages per node and
         world - 1 hops after the last node finished. A failure before then (a restarted neighbour,
         an abort, a gap in the numbering, ``timeout`` without the count) fails the round here like a
-        failure of its data phase; raises like :meth:`recv`. A peer merely counted lost is waited
-        for (up to ``timeout``): every node may hold the result and one may have released it, and a
-        stopped node that continues completes the count. Messages of later rounds that
-        come meanwhile (the left neighbour released the round and went on) are put back for the
-        next reader in order."""
+        failure of its data phase; raises like :meth:`recv`. A peer counted lost (nothing heard
+        for peer_timeout) settles the round at once when the nodes still heard are a majority of
+        the ring (a minority, e.g. a node whose own link is down, cannot tell a dead peer from its
+        own isolation: it waits for the others to be heard again, or for ``timeout``). Once a
+        peer was counted lost, or this node itself did not run for long (stopped: the others may
+        have settled the round without it), the count alone is not trusted: the round is settled.
+        Messages of later rounds that come meanwhile (the left neighbour released the round and
+        went on) are put back for the next reader in order."""
         need = self.world - 1
         if need < 1:
             return
         net, nb, key = self.net, self.neighbours, self.key
         book = net.settle_book  # settlement (daemon/settle.py): what this node tells askers
         book.holding(key)
+        if settle.fault_at("stop-in-commit", net.rank, key):  # a test's fault point
+            settle.stop_now()
         deadline = time.monotonic() + timeout
         sent = 0
         later: list[dict] = []
@@ -215,12 +221,19 @@ class RoundTransport:
 
         rd = self.round
         rd.phase = Phase.COMMITTING
+        #: why the count alone is no longer trusted (a peer counted lost, this node stalled)
+        unsure: str | None = None
+        #: a settlement left the round undecided (a silent node may have released it): settle again
+        #: once every peer is heard, a neighbour restarts, or at the deadline
+        undecided = False
 
         try:
             while True:
                 have = commit_count(net, key)
                 c = min(need, 1 + have)
-                if c > sent:
+                # a node whose answer is frozen passes no count on: the answer says how far its
+                # counts can have gone (settle.abort_safe)
+                if c > sent and not book.frozen(key):
                     if c == need and settle.exit_in_commit(net.rank, key):  # a test's fault point
                         if sent == 0 and need > 1:
                             c = need - 1  # pass a smaller count on first: the ring is mid-commit
@@ -232,17 +245,25 @@ class RoundTransport:
                     recent = getattr(net, "recent_commits", None)
                     if recent is not None:
                         recent.append((nb.right_rank, h))
+                # This node stalled since the round began (stopped, starved: no ping went out for
+                # long, PeerNet.maybe_ping): the others may have counted it lost and settled the
+                # round without it, so a count read now (perhaps queued before) is not trusted.
+                net.maybe_ping()
+                if unsure is None and getattr(net, "stalled_at", 0.0) > self.began:
+                    unsure = (f"birdnetd on rank {net.rank} did not run for {net.stalled_for:.1f} s (stopped?): "
+                              "the others may have settled the round without it")
                 now = time.monotonic()
                 # Past the deadline the count is not trusted alone (this node may have been stopped
-                # while the others settled without it), nor once a node asked this one to settle.
-                if have >= need and now < deadline and not book.frozen(key):
+                # while the others settled without it), nor once a node asked this one to settle,
+                # nor once a peer was counted lost or this node stalled (``unsure``).
+                if have >= need and now < deadline and not book.frozen(key) and unsure is None:
                     book.released(key)
                     return
-                # A peer merely silent (lost) is waited for: this node holds the result, and so may
-                # every other, one of which may have released it already; a stopped node that
-                # continues completes the count. A restarted neighbour cannot (its new instance
-                # knows nothing of the round), lost messages may have been counts, and at the
-                # deadline the wait ends: then the surviving nodes settle the round together.
+                # A restarted neighbour cannot complete the count (its new instance knows nothing of
+                # the round), lost messages may have been counts, a lost peer may never send its
+                # own: the surviving nodes settle the round together. A lost peer settles it at once
+                # when the nodes still heard are a majority; a minority (this node may be the one cut
+                # off) waits until they are heard again, or the deadline.
                 cause, error = None, PeerLostError
                 restarted = net.restarted_since(self.restarts_at)
                 if net.stopping:
@@ -256,11 +277,29 @@ class RoundTransport:
                     why = nb.why_gone(net, key, self.restarts_at)
                     cause = (f"the nodes did not all confirm holding the result within {timeout} s (the commit "
                              f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
-                elif book.frozen(key):
+                elif book.frozen(key) and not undecided:
                     cause = "another node asked to settle it"
+                elif undecided and have >= need:
+                    cause = "a count of world - 1 came (a node settled it as a success)"
+                else:
+                    lost = net.lost()
+                    if lost:
+                        why = f"lost peer {net.describe_lost(lost)} during its commit"
+                        unsure = unsure or why
+                        if 2 * (self.world - len(lost)) > self.world and not undecided:
+                            cause = why
+                    elif unsure is not None or undecided:
+                        cause = f"{unsure or 'a silent peer'}; every peer is heard again"
                 if cause is not None:
-                    self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError)
-                    return
+                    if restarted:
+                        self.restarts_at = net.neighbour_restarts  # seen: settle again only on another
+                    # before the deadline an abort a silent node's release could contradict waits
+                    may_wait = now < deadline and error is PeerLostError
+                    if self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError,
+                                    may_wait=may_wait):
+                        return
+                    undecided = True
+                    continue
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
                 if msg is not None:
                     take(msg)
@@ -269,22 +308,27 @@ class RoundTransport:
             if later:
                 net.held.ready.extendleft(reversed(later))
 
-    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False) -> None:
-        """Settle the round with the other nodes (daemon/settle.py): return to release it, raise
-        ``error`` to fail it. A commit passes world - 1 on, so the nodes after this one that
-        wait for the count release too (or, asked already, settle and find this node's release)."""
+    def _settle(self, cause: str, take: Any, error: type[Exception] = PeerLostError, restarted: bool = False,
+                may_wait: bool = False) -> bool:
+        """Settle the round with the other nodes (daemon/settle.py): True to release it, raise
+        ``error`` to fail it, False when it is not decided yet (``may_wait``: a silent node may
+        have released it; the commit wait goes on). A commit passes world - 1 on, so the nodes
+        after this one that wait for the count release too (or, asked already, settle and find
+        this node's release)."""
         net, key = self.net, self.key
         book = net.settle_book
-        commit, why = settle.settle(net, key, net.settings.peer_timeout, take)
+        commit, why = settle.settle(net, key, net.settings.peer_timeout, take, may_wait=may_wait)
         if restarted:
             self.settled_after_restart = f"{cause}: {why}"
+        if commit is None:
+            return False
         if commit:
             book.released(key)
             try:
                 self.neighbours.send(net, {"t": "commit", "k": key, "c": self.world - 1})
             except PeerLostError:
                 pass  # the right neighbour is gone: it settles or restarts
-            return
+            return True
         book.aborted(key)
         raise error(f"round {key} cannot complete: {cause}; the surviving nodes settled it as failed ({why})")
 

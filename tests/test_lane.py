@@ -356,3 +356,60 @@ def test_a_compressed_lane_round_given_up_runs_again_as_if_it_never_started(code
         for key in a:
             if isinstance(a[key], np.ndarray):
                 assert a[key].tobytes() == b[key].tobytes(), key
+
+
+class _LaneNet:
+    """What DenseLane uses of a PeerNet: its sends, the lane keys, the restart counter."""
+
+    neighbour_restarts = 0
+
+    def __init__(self):
+        self.sent, self.lane_keys = [], ()
+
+    def send(self, h):
+        self.sent.append(h)
+
+    def set_lane_keys(self, keys):
+        self.lane_keys = keys
+
+
+def test_a_close_request_that_reaches_the_leader_before_its_lane_opens_keeps_it_closed():
+    """A node that settled a round because its neighbour restarted asks the leader to close the lane
+    the round's go granted. When the request came while the leader was still in that round's commit
+    (its lane not open yet) it was dropped: the leader then opened the lane, ran the next round in
+    it alone and waited round_timeout for it (RoundTimeoutError) while the others waited for a start."""
+    from birdnet.daemon.lane import DenseLane
+
+    from birdnet.messages import LaneClose
+    net = _LaneNet()
+    lane = DenseLane(net, 0, 3, True)
+    lane.on_message(LaneClose("J/5", "rank 2: a round before it was settled"))  # leader in J/4's commit
+    assert lane.at is None and net.sent == []
+    lane.open("J", 5, since=0)
+    assert lane.at is None and net.sent == [{"t": "lane", "k": "J/5"}]  # closed on every node
+    lane.open("J", 6, since=0)  # the request held for one round only
+    assert lane.at == ("J", 6)
+    # a request while the lane is open and idle closes it at once, as before
+    net.sent.clear()
+    lane.on_message(LaneClose("J/6", "x"))
+    assert lane.at is None and net.sent == [{"t": "lane", "k": "J/6"}]
+    # a follower passes requests on towards the leader and keeps none
+    f_net = _LaneNet()
+    follower = DenseLane(f_net, 1, 3, True)
+    follower.on_message(LaneClose("J/7", "x"))
+    follower.open("J", 7)
+    assert follower.at == ("J", 7) and f_net.sent == [{"t": "lane", "k": "J/7", "req": "x"}]
+
+
+def test_a_lane_opens_with_the_restart_count_of_its_agreement():
+    """A neighbour that restarted during the agreed rounds that granted the lane (seen after this
+    node released them) closes the lane before its first round: the lane keeps the count from when
+    the agreement began, not from when it opened."""
+    from birdnet.daemon.lane import DenseLane
+    net = _LaneNet()
+    lane = DenseLane(net, 1, 3, True)
+    net.neighbour_restarts = 3
+    lane.open("J", 2, since=2)
+    assert lane.since == 2
+    lane.open("J", 3)
+    assert lane.since == 3

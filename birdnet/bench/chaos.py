@@ -215,8 +215,9 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
               rounds_between: tuple[float, float] = (1.0, 3.0), stop_seconds: float = 15.0, seed: int = 0,
               peer_timeout: float = 4.0, heartbeat_interval: float = 0.25, call_timeout: float = 30.0,
               pause: float = 0.005, recover_timeout: float = 60.0, link_seconds: float = 10.0,
-              tmp: Path | None = None, echo=None) -> dict[str, Any]:
-    """Run the chaos loop (see the module docstring) and return its figures."""
+              tmp: Path | None = None, echo=None, netns_always: bool = False) -> dict[str, Any]:
+    """Run the chaos loop (see the module docstring) and return its figures (``netns_always``: the
+    daemons in network namespaces whatever the faults, where they can be made)."""
     from contextlib import ExitStack
 
     from birdnet.bench import netns
@@ -224,7 +225,7 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
     rng = random.Random(seed)
     faults = list(faults if faults is not None else FAULTS)
     skipped: dict[str, str] = {}
-    use_netns = any(k in NETNS_FAULTS for k in faults)
+    use_netns = netns_always or any(k in NETNS_FAULTS for k in faults)
     if use_netns:
         ok, why = netns.available()
         if not ok:
@@ -378,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-interval", type=float, default=0.25)
     ap.add_argument("--call-timeout", type=float, default=30.0, help="the client's timeout and round_timeout (s)")
     ap.add_argument("--json", help="also write the result here")
+    ap.add_argument("--netns", action="store_true",
+                    help="run the daemons in network namespaces even without link faults (root)")
+    ap.add_argument("--logs", help="keep the daemons' and processes' logs in this directory (default: removed)")
     a = ap.parse_args(argv)
     kinds = [k for k in a.kinds.split(",") if k]
     rng = random.Random(a.seed)
@@ -386,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_chaos(nodes=a.nodes, floats=a.floats, codec=a.codec, faults=faults, stop_seconds=a.stop_seconds,
                     seed=a.seed, peer_timeout=a.peer_timeout, heartbeat_interval=a.heartbeat_interval,
                     call_timeout=a.call_timeout, link_seconds=a.link_seconds,
-                    echo=lambda s: print(s, file=sys.stderr, flush=True))
+                    tmp=Path(a.logs) if a.logs else None, netns_always=a.netns, echo=lambda s: print(s, file=sys.stderr, flush=True))
     bad = verdict(res)
     res["failed_checks"] = bad
     text = json.dumps(res, indent=1)
