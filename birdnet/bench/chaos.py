@@ -235,6 +235,7 @@ def run_chaos(*, nodes: int = 3, floats: int = 20_000, codec: str = "none", faul
             faults = [k for k in faults if k not in NETNS_FAULTS]
     own_tmp = tmp is None
     tdir = Path(tempfile.mkdtemp(prefix="birdnet-chaos-")) if tmp is None else Path(tmp)
+    tdir.mkdir(parents=True, exist_ok=True)  # --logs names a directory that need not exist yet
     say = echo or (lambda *_a: None)
     events: list[dict[str, Any]] = []
     jobs: list[_Job] = []
