@@ -181,7 +181,9 @@ class OuterLoop:
         The pseudo-gradient's codec for every sync; None: ``DEFAULT_CODEC`` (``DEFAULT_CODEC_PARAMS``)
         for the syncs at the schedule's last H and ``DEFAULT_WARMUP_CODEC`` for the warm-up syncs.
     timeout : float, optional
-        Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit.
+        Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit. Also the
+        longest the constructor waits for the local daemon to load the codecs' kernels (None:
+        ``KERNELS_TIMEOUT``); ``kernels_seconds`` says how long it did.
     pull, push : callable, optional
         For frameworks whose parameters the arrays only mirror: ``pull()`` refreshes the arrays from
         the model before a sync reads them, ``push()`` writes them back after a sync changed them.
