@@ -56,13 +56,14 @@ send buffer (4 bytes). In the daemon: the codec's state per fragment (docs/slowl
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from birdnet.client import Client, Handle
 
-from birdnet.errors import InputError
+from birdnet.errors import InputError, ProtocolError
 
 __all__ = ["DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "DEFAULT_WARMUP_CODEC", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
            "OuterLoop", "Schedule", "check_codec"]
@@ -80,6 +81,9 @@ DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
 #: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
 DEFAULT_WARMUP_CODEC = "lowbit"
 DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
+#: the longest the constructor waits for the local daemon to load the codecs' kernels (beyond it the
+#: first sync waits for them instead)
+KERNELS_TIMEOUT = 300.0
 #: Streaming DiLoCo's mixing factor for a fragment applied late (overlap): local = a*local + (1-a)*outer
 MIX_ALPHA = 0.5
 #: key of the outer state inside a framework optimizer's state_dict
@@ -177,7 +181,9 @@ class OuterLoop:
         The pseudo-gradient's codec for every sync; None: ``DEFAULT_CODEC`` (``DEFAULT_CODEC_PARAMS``)
         for the syncs at the schedule's last H and ``DEFAULT_WARMUP_CODEC`` for the warm-up syncs.
     timeout : float, optional
-        Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit.
+        Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit. Also the
+        longest the constructor waits for the local daemon to load the codecs' kernels (None:
+        ``KERNELS_TIMEOUT``); ``kernels_seconds`` says how long it did.
     pull, push : callable, optional
         For frameworks whose parameters the arrays only mirror: ``pull()`` refreshes the arrays from
         the model before a sync reads them, ``push()`` writes them back after a sync changed them.
@@ -229,6 +235,9 @@ class OuterLoop:
             warm_codec, warm_params = codec, codec_params
         check_codec(codec, codec_params)
         check_codec(warm_codec, warm_params)
+        #: seconds the constructor waited for the daemon's codec kernels (0 when they were loaded)
+        self.kernels_seconds = _load_kernels(client, [(codec, codec_params), (warm_codec, warm_params)],
+                                             KERNELS_TIMEOUT if timeout is None else timeout)
         self.codec, self.codec_params = codec, codec_params
         self.warmup_codec, self.warmup_codec_params = warm_codec, warm_params
         self.timeout = timeout
@@ -470,6 +479,26 @@ class OuterLoop:
         if self.push is not None:
             self.push()
         self.client.reset_state(self.timeout)
+
+
+def _load_kernels(client: Client, configs: list[tuple[str, dict[str, Any]]], kernels_timeout: float) -> float:
+    """Have the local daemon load the codecs' kernels and wait until it has. A daemon started with
+    ``kernel_warmup = "used"`` loads a codec's kernels at its first call (seconds from Numba's cache,
+    longer to compile), and DiLoCo's first sync comes after the first step: the training loop would
+    stall there, every process waiting for the slowest daemon. With ``"all"`` (the daemon's
+    default) they are loaded already and this returns at once. Returns the seconds waited."""
+    t0 = time.monotonic()
+    deadline = t0 + kernels_timeout
+    pending = {(c, repr(sorted(p.items()))): (c, p) for c, p in configs}
+    while pending:
+        try:
+            pending = {k: (c, p) for k, (c, p) in pending.items() if not client.warm(c, **p)}
+        except ProtocolError:
+            break  # a daemon older than the request: the first sync waits for the kernels instead
+        if not pending or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - t0
 
 
 def _split(sizes: list[int], count: int) -> list[list[int]]:

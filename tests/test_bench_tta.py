@@ -59,6 +59,9 @@ def test_merge_ranks_takes_the_slowest_rank_and_compares_digests():
     assert m["curve"][1]["val_loss"] == pytest.approx(2.1)
     assert m["curve"][1]["wire_bytes"] == 400 and m["curve"][1]["adapter_bytes"] is None
     assert m["median_step_s"] == pytest.approx(0.6) and m["identical"]
+    assert m["step_s"] == [0.6] * 20 and "kernels_seconds" not in m  # every step's slowest rank
+    dil = [dict(out(r, 10.0, "d", 2.0), kernels_seconds=k) for r, k in ((0, 1.5), (1, 2.5))]
+    assert merge_ranks(dil)["kernels_seconds"] == 2.5  # DiLoCo's wait for the kernels: the longest
     assert not merge_ranks([out(0, 10.0, "d", 2.0), out(1, 10.0, "e", 2.0)])["identical"]
 
 

@@ -69,6 +69,13 @@ def numpy_worker(sock, node, local):
         out["mean"]["by_hand"] = {k: client.allreduce(v, name=f"check/{k}", codec="none", timeout=60) for k, v
                                   in seen[-1].items()}
         out["mean"]["outer4"] = loop2.outer_parameters()
+        # the constructor returns once the daemon has the default codec's kernels (the daemons of
+        # LocalCluster load a codec's kernels at its first use)
+        from birdnet.client.diloco import DEFAULT_CODEC, DEFAULT_CODEC_PARAMS
+        ready_before = client.warm(DEFAULT_CODEC, **DEFAULT_CODEC_PARAMS)
+        probe = OuterLoop(client, {"p": np.zeros(4, np.float32)}.items())
+        out["kernels"] = {"before": ready_before, "after": client.warm(DEFAULT_CODEC, **DEFAULT_CODEC_PARAMS),
+                          "seconds": probe.kernels_seconds}
         # the schedule and the default codec with Nesterov momentum
         loop, params, outer, stats = _numpy_run(client, 12, sync_every=((1, 2), (2, 4), 4))
         out["sched"] = {"outer": outer, "stats": stats, "syncs": loop.syncs,
@@ -127,6 +134,14 @@ def test_numpy_outer_parameters_bit_identical_and_schedule(np_results):
     sched_bytes = np_results[0]["sched"]["stats"][-1]["bytes_sent"]
     fp16_bytes = np_results[0]["codecs"]["fp16"]["bytes"]
     assert 0.2 * fp16_bytes < sched_bytes < 0.45 * fp16_bytes, (sched_bytes, fp16_bytes)
+
+
+@pytest.mark.timeout(600)
+def test_constructor_waits_for_codec_kernels(np_results):
+    for r in np_results:
+        k = r["kernels"]
+        assert k["after"] is True, "OuterLoop returned before the daemon had loaded the default codec's kernels"
+        assert k["seconds"] >= 0 and (k["before"] or k["seconds"] > 0)
 
 
 @pytest.mark.timeout(600)

@@ -201,6 +201,8 @@ def worker(v: dict[str, Any]) -> dict[str, Any]:
            "digest": _outer_digest(opt) if hasattr(opt, "outer_loop") else params_digest(model)}
     if hasattr(opt, "outer_loop"):
         out["settings"] = opt.outer_loop.settings()  # the defaults as resolved, kept with the row
+        # seconds bnt.DiLoCo waited at construction (before the clock) for the daemon's codec kernels
+        out["kernels_seconds"] = opt.outer_loop.kernels_seconds
     if client is not None:
         client.close()
     elif kind != "solo":
@@ -293,9 +295,13 @@ def merge_ranks(outs: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [max(o["step_times"][s] for o in outs) for s in range(min(len(o["step_times"]) for o in outs))]
     steady = steps[min(5, len(steps) - 1):] if steps else [float("nan")]
     merged = {"curve": curve, "median_step_s": statistics.median(steady), "mean_step_s": statistics.fmean(steady),
-              "identical": identical([o["digest"] for o in outs])}
+              "identical": identical([o["digest"] for o in outs]),
+              # the slowest rank's seconds of every step: where a mode's time goes (DiLoCo's syncs)
+              "step_s": [round(x, 5) for x in steps]}
     if "settings" in outs[0]:
         merged["settings"] = outs[0]["settings"]
+    if all("kernels_seconds" in o for o in outs):
+        merged["kernels_seconds"] = max(o["kernels_seconds"] for o in outs)
     return merged
 
 

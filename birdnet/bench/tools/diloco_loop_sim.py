@@ -163,6 +163,9 @@ class _Client:
     def reset_state(self, timeout=None) -> None:
         pass
 
+    def warm(self, codec, **params) -> bool:
+        return True  # nothing to load: the codec is emulated
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
