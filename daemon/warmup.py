@@ -94,7 +94,8 @@ CONFIGURATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("qsgd", {}),
     ("efsign", {}), ("efsign", {"momentum": 0.9}),
     ("signcascade", {}), ("signcascade", {"flush": 2}),
-    ("lowbit", {}),
+    ("lowbit", {}), ("lowbit", {"bits": 1}),
+    ("ternary", {}),
 )
 
 

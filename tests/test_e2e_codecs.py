@@ -16,7 +16,8 @@ SPECS = [
     ("birdplus", {"density": 0.01, "mode": "shared"}),
     ("birdplus", {"density": 0.01, "momentum": 0.9}),
     ("marsit", {}), ("marsit", {"momentum": 0.9, "flush": 2}), ("signcascade", {}),
-    ("lowbit", {}), ("lowbit", {"bits": 4, "error_feedback": False}),
+    ("lowbit", {}), ("lowbit", {"bits": 4, "error_feedback": False}), ("lowbit", {"bits": 1}),
+    ("ternary", {}),
 ]
 # Worst-case relative error of one round's sum, || out - sum x_i || / sum ||x_i||: exact codecs are
 # tight; "contractive" ones (docs/codecs.md: ||x - C(x)|| <= ||x||, or delayed by error feedback,
@@ -25,7 +26,7 @@ BOUND = {"none": 1e-6, "fp16": 2e-3, "lowbit": 0.02, "lowbit4": 0.25, "topk": 1.
 # Minimum compression ratio against the dense ring at density 0.01 / 1 bit per element.
 MIN_RATIO = {"topk": 20, "dgc": 20, "bird": 30, "birdplus": 30, "randomk": 30, "marsit": 25, "signcascade": 25,
              "efsign": 15, "fp16": 1.9, "qsgd": 1.9,
-             "lowbit": 3.7, "lowbit4": 7.0}  # gathered codecs: payload ratio x 2/N
+             "lowbit": 3.7, "lowbit4": 7.0, "lowbit1": 20, "ternary": 15}  # gathered codecs: payload ratio x 2/N
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def results(tmp_path_factory):
 def test_codec_through_real_daemons(results, spec):
     name, params = spec
     key = name + repr(sorted(params.items()))
-    kind = name + ("4" if params.get("bits") == 4 else "")
+    kind = name + {4: "4", 1: "1"}.get(params.get("bits"), "")
     per_node = [r[key] for r in results]
     for rnd in range(3):
         outs = [pn[rnd][1] for pn in per_node]
@@ -55,6 +56,9 @@ def test_codec_through_real_daemons(results, spec):
             if rnd == 0 or name in ("none", "fp16"):  # later rounds also carry delayed residuals
                 err = np.linalg.norm(outs[0] - exact) / sum(np.linalg.norm(x) for x in xs)
                 assert err <= BOUND[kind], err
+    if kind == "lowbit1":  # signs times a block's mean |x|: one magnitude per block of 64
+        out = per_node[0][0][1]
+        assert all(len(np.unique(np.abs(out[i:i + 64]))) == 1 for i in range(0, N - N % 64, 64))
     if name in ("marsit", "signcascade") and not params.get("flush"):
         out = per_node[0][0][1]
         assert len(np.unique(np.abs(out))) <= 4  # +- one scale per segment/tensor: signs only

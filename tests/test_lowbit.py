@@ -196,7 +196,7 @@ def ctx(n, rank=0, world=1):
 
 def test_parameters_are_checked_with_a_fix():
     assert get_codec("lowbit").params == {"bits": 8, "block": 64, "error_feedback": True, "midrise": False}
-    for bad, needle in [({"bits": 3}, "8, 4 or 2"), ({"bits": True}, "8, 4 or 2"), ({"block": 12}, "multiple of 8"),
+    for bad, needle in [({"bits": 3}, "8, 4, 2 or 1"), ({"bits": True}, "8, 4, 2 or 1"), ({"block": 12}, "multiple of 8"),
                         ({"block": 1 << 20}, "multiple of 8"), ({"error_feedback": "yes"}, "True or False"),
                         ({"midrise": 1}, "midrise must be True or False"),
                         ({"bitz": 4}, "bits")]:

@@ -19,6 +19,7 @@ _MODULES: dict[str, str] = {
     "none": "birdnet.codecs.none:NoneCodec",
     "fp16": "birdnet.codecs.fp16:Fp16Codec",
     "lowbit": "birdnet.codecs.lowbit:LowbitCodec",
+    "ternary": "birdnet.codecs.ternary:TernaryCodec",
     "topk": "birdnet.codecs.topk:TopKCodec",
     "randomk": "birdnet.codecs.randomk:RandomKCodec",
     "dgc": "birdnet.codecs.dgc:DGCCodec",

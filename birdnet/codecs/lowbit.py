@@ -1,4 +1,4 @@
-"""``lowbit``: dense, block-quantised to 8, 4 or 2 bits on the wire, summed hop by hop.
+"""``lowbit``: dense, block-quantised to 8, 4, 2 or 1 bits on the wire, summed hop by hop.
 
 Every value travels, as a signed integer level of ``bits`` bits with one scale per ``block``
 values (symmetric, round half to even: birdnet.kernels.lowbit has the format). SUMMABLE through
@@ -15,6 +15,12 @@ all-gather forwards those bytes, which every node, the owner too, decodes alike.
 lower on near-Gaussian blocks and higher on heavy-tailed ones (RMS 0.71x and 1.8x of the
 symmetric levels' on random data), but with error feedback on DiLoCo's pseudo-gradients it keeps
 2 bits close to 4 (docs/slowlink.md).
+
+``bits=1``: each value's sign times its block's mean |x| (the scaled sign of EF-SignSGD, the
+least-squares magnitude for a sign; birdnet.kernels.lowbit), always with midrise levels. With
+``block=64`` that is 1.25 bits a value with the scale, 1.06 at ``block=256``. Every hop
+requantises the partial sum to signs again, so without error feedback the sum loses most of its
+magnitude information; keep ``error_feedback`` on.
 
 Each node encodes every element exactly once a round (its own segment, the segments it passes on,
 the one it finishes), so with ``error_feedback`` the node keeps what its encodings lost,
@@ -39,7 +45,7 @@ from birdnet.kernels import lazy
 
 K = lazy("lowbit")
 
-BITS = (2, 4, 8)
+BITS = (1, 2, 4, 8)
 
 
 class LowbitWire:
@@ -48,7 +54,8 @@ class LowbitWire:
     round's error-feedback array) when one is given."""
 
     def __init__(self, bits: int, block: int, residual: np.ndarray | None = None, midrise: bool = False) -> None:
-        self.bits, self.block, self.residual, self.midrise = bits, block, residual, midrise
+        # one bit has no level at 0: its two levels always sit between the steps
+        self.bits, self.block, self.residual, self.midrise = bits, block, residual, midrise or bits == 1
         self.align = block
 
     def nbytes(self, count: int) -> int:
@@ -74,9 +81,9 @@ class LowbitCodec(Codec):
 
     def validate(self, params: dict[str, Any]) -> dict[str, Any]:
         bits, block, ef = params["bits"], params["block"], params["error_feedback"]
-        if isinstance(bits, bool) or bits not in BITS:
-            raise CodecError(f"codec 'lowbit': bits must be 8, 4 or 2, got {bits!r} (8 keeps fp16's quality at "
-                             "half its bytes; 4 is a quarter)")
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
+            raise CodecError(f"codec 'lowbit': bits must be 8, 4, 2 or 1, got {bits!r} (8 keeps fp16's quality at "
+                             "half its bytes; 4 is a quarter; 1 sends signs with the block's mean |x|)")
         if isinstance(block, bool) or not isinstance(block, int) or not (8 <= block <= 1 << 16) or block % 8:
             raise CodecError(f"codec 'lowbit': block must be a multiple of 8 in [8, 65536] (values per scale), "
                              f"got {block!r}; e.g. block=64")
@@ -84,7 +91,8 @@ class LowbitCodec(Codec):
             raise CodecError(f"codec 'lowbit': error_feedback must be True or False, got {ef!r}")
         if not isinstance(params["midrise"], bool):
             raise CodecError(f"codec 'lowbit': midrise must be True or False, got {params['midrise']!r} (True: "
-                             "levels between the steps, no exact 0; at 2 bits four values instead of three)")
+                             "levels between the steps, no exact 0; at 2 bits four values instead of three; bits=1 "
+                             "always has them)")
         return params
 
     def new_state(self, n: int) -> Any:

@@ -10,6 +10,13 @@ shorter). Each block gets one scale ``s`` and each value a signed integer level
 ``s = absmax / (half - 0.5)``: every code is used (2 bits: four values, +-0.5 s and +-1.5 s, where
 the symmetric levels have three, -s, 0, s) and no value rounds to 0, so every value keeps its sign.
 
+``bits=1`` (always midrise: one bit has no level at 0): each value is its sign times the block's
+mean |x|, ``s = 2 * mean|x|`` and the levels +-0.5 s. For a sign the mean |x| is the scale of least
+squared error (EF-SignSGD, Karimireddy et al. 2019, section 3: the scaled sign
+``||x||_1 / d * sign(x)``); the absolute maximum would overshoot every smaller value. Values beyond
+the scale are not clipped to it but sent as one level like the rest: the error feedback carries
+the difference.
+
 Layout of one encoded run (little-endian, the same on every architecture)::
 
     bytes [0, 2*nblocks)            the blocks' scales, uint16 each: the upper half of a float32
@@ -41,7 +48,7 @@ from birdnet.kernels._arrays import check
 
 #: the NaN scale of a block with a NaN or Inf (float32 0x7FC00000's upper half)
 NAN_SCALE = 0x7FC0
-BITS = (2, 4, 8)
+BITS = (1, 2, 4, 8)
 
 
 def nbytes(count: int, bits: int, block: int) -> int:
@@ -64,6 +71,25 @@ def _absmax(src, block, amax):
             if a > m:
                 m = a
         amax[b] = m
+
+
+@njit(cache=True, parallel=True)
+def _meanabs(src, block, mabs):
+    # per block mean |x| (summed in float64 in element order: the same bits on every machine);
+    # NaN for a block holding a NaN or Inf
+    n = src.shape[0]
+    big = np.float32(3.4028234663852886e38)
+    for b in prange(mabs.shape[0]):
+        lo = b * block
+        hi = min(n, lo + block)
+        t = 0.0
+        for i in range(lo, hi):
+            a = abs(src[i])
+            if not a <= big:
+                t = np.nan
+                break
+            t += np.float64(a)
+        mabs[b] = np.float32(t / (hi - lo))
 
 
 @njit(cache=True, parallel=True)
@@ -143,9 +169,10 @@ def _dequantise(buf, bits, block, scales, own, out, midrise):
 
 
 def scale_bits(amax: np.ndarray, bits: int, midrise: bool = False) -> np.ndarray:
-    """The blocks' scales as bfloat16 bits (uint16): absmax / qmax (midrise: absmax / (half - 0.5))
-    in float32, rounded up to the next bfloat16; NAN_SCALE for a NaN absmax or a scale past float32's range."""
-    top = np.float32((1 << (bits - 1)) - 0.5) if midrise else np.float32((1 << (bits - 1)) - 1)
+    """The blocks' scales as bfloat16 bits (uint16): absmax / qmax (midrise: absmax / (half - 0.5);
+    bits 1: ``amax`` is the mean |x| and the scale twice it) in float32, rounded up to the next
+    bfloat16; NAN_SCALE for a NaN ``amax`` or a scale past float32's range."""
+    top = np.float32((1 << (bits - 1)) - 0.5) if midrise or bits == 1 else np.float32((1 << (bits - 1)) - 1)
     with np.errstate(invalid="ignore"):
         s = amax / top
     u = s.view(np.uint32)
@@ -188,11 +215,11 @@ def encode(src: np.ndarray, bits: int, block: int, *, deq: np.ndarray | None = N
     if n:
         nb = -(-n // block)
         amax = np.empty(nb, np.float32)
-        _absmax(src, block, amax)
+        (_meanabs if bits == 1 else _absmax)(src, block, amax)
         sb = scale_bits(amax, bits, midrise)
         out[:2 * nb] = sb.astype("<u2").view(np.uint8)
         _quantise(src, bits, block, scales_of(sb), out, _EMPTY if deq is None else deq,
-                  _EMPTY if residual is None else residual, res_off, bool(midrise))
+                  _EMPTY if residual is None else residual, res_off, bool(midrise) or bits == 1)
     return out
 
 
@@ -209,4 +236,4 @@ def decode(buf: np.ndarray, bits: int, block: int, out: np.ndarray, own: np.ndar
     if n:
         nb = -(-n // block)
         sb = buf[:2 * nb].view("<u2")
-        _dequantise(buf, bits, block, scales_of(sb), _EMPTY if own is None else own, out, bool(midrise))
+        _dequantise(buf, bits, block, scales_of(sb), _EMPTY if own is None else own, out, bool(midrise) or bits == 1)

@@ -77,6 +77,7 @@ def configs() -> list[dict]:
         ("efsign-momentum", "efsign", {"momentum": 0.9}),
         ("lowbit-4", "lowbit", {"bits": 4}),
         ("lowbit-2-noef", "lowbit", {"bits": 2, "block": 8, "error_feedback": False}),
+        ("lowbit-1", "lowbit", {"bits": 1}),  # the block's mean |x|, summed in float64
     ]
     known = set(names())
     out += [{"label": lab, "codec": c, "params": p} for lab, c, p in variants if c in known]

@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cluster import LocalCluster  # noqa: E402
 
 SPECS = [("none", {}), ("fp16", {}), ("marsit", {}), ("topk", {"density": 0.02}), ("birdplus", {}),
-         ("topk", {"density": 0.01}), ("lowbit", {}), ("lowbit", {"bits": 4})]
+         ("topk", {"density": 0.01}), ("lowbit", {}), ("lowbit", {"bits": 4}),
+         ("lowbit", {"bits": 2, "midrise": True}), ("lowbit", {"bits": 2, "midrise": True, "block": 256}),
+         ("lowbit", {"bits": 1}), ("lowbit", {"bits": 1, "block": 256}), ("ternary", {}), ("ternary", {"block": 256})]
 
 
 def worker(sock, node, local):

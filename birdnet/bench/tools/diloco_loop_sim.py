@@ -4,6 +4,7 @@
     python -m birdnet.bench.tools.diloco_loop_sim --opts '{"overlap": false}' --steps 400
     python -m birdnet.bench.tools.diloco_loop_sim --codec q8 --block 64 --ef          # a low-bit codec, emulated
     python -m birdnet.bench.tools.diloco_loop_sim --codec auto                        # the codecs bnt.DiLoCo picks
+    python -m birdnet.bench.tools.diloco_loop_sim --codec ring                        # ... run by the real codec and ring
     python -m birdnet.bench.tools.diloco_loop_sim --overlap-from-step 64 --codec fp16  # the H=16 syncs overlapped
     python -m birdnet.bench.tools.diloco_loop_sim --ddp --steps 600                   # gradients averaged every step
 
@@ -24,6 +25,10 @@ thread per worker) with the codec emulated in NumPy:
           maximum at 1.5 (four levels where ``q2`` has three, no zero)
 ``auto``  each sync with the codec ``bnt.DiLoCo`` names for it (so the warm-up syncs may differ):
           ``none``, ``fp16``, or ``lowbit`` as ``q<bits>`` (``q2n``) with its ``error_feedback``
+``ring``  each sync with the codec ``bnt.DiLoCo`` names for it, birdnet's real codec through the
+          real ring algorithm (birdnet.ring.dense over an in-memory transport, as the daemons run
+          it: for ``lowbit`` every hop's re-encoding and its error feedback, bit for bit), the sum
+          divided by 4; bytes per node are the ring's payload bytes as counted by the transport
 
 So the steps to the target should be what ``birdnet bench tta`` measures for the same options (up
 to the codec's emulation); the time is not measured here (use the bench). Bytes per sync are
@@ -66,6 +71,8 @@ class _Collective:
         self.residual: dict[tuple[str, int], np.ndarray] = {}
         self.calls: dict[tuple[str, int], int] = {}
         self.spec: dict[str, tuple] = {}  # with codec "auto": each name's (codec, bits, ef) as OuterLoop asked
+        self.state: dict[tuple, list] = {}  # with codec "ring": each (name, codec, params)'s state on every node
+        self.round = 0
 
     def start(self, buf: np.ndarray, name: str, rank: int, spec: tuple = ()) -> _Handle:
         with self.cv:
@@ -82,6 +89,7 @@ class _Collective:
         with self.cv:
             self.cv.wait_for(lambda: key in self.done or len(self.bufs.get(key, {})) == self.world)
             if key not in self.done:
+                self.round = key[1]
                 self.done[key] = self._reduce(key[0], [self.bufs[key][r] for r in range(self.world)])
             return self.done[key][0].copy(), self.done[key][1]
 
@@ -99,8 +107,44 @@ class _Collective:
         q = np.round(xb / scale) * scale
         return q.reshape(-1)[:n].astype(np.float32)
 
+    def _ring(self, name: str, xs: list[np.ndarray]) -> tuple[np.ndarray, int]:
+        """The real codec through the real ring algorithm, in memory (birdnet.bench.tools.sim_codec's round)."""
+        from birdnet.codecs import Pattern, Payload, RoundContext, get_codec
+        from birdnet.ring.dense import ring_allreduce
+        from birdnet.ring.transport import MemoryRing
+
+        cname, params = self.spec[name]
+        n, W = xs[0].size, self.world
+        codec = get_codec(cname, **params)
+        if codec.pattern != Pattern.SUMMABLE:
+            raise SystemExit(f"--codec ring runs summable codecs (none, fp16, lowbit), not {cname!r}")
+        t = self.round
+        states = self.state.setdefault((name, cname, json.dumps(params, sort_keys=True)),
+                                       [codec.new_state(n) for _ in range(W)])
+        cs = [RoundContext(job="sim", name=name, shape=(n,), round_id=t, rank=r, world=W, seed=t + 1,
+                           tensor_round=t) for r in range(W)]
+        pays = [codec.compress(x, c, st) for x, c, st in zip(xs, cs, states)]
+        wires = [codec.wire_format(c, st) for c, st in zip(cs, states)]
+        ring = MemoryRing(W)
+        if wires[0] is not None:
+            sums = ring.run(lambda tr: ring_allreduce(tr, pays[tr.rank].values, timeout=600.0, wire=wires[tr.rank]))
+        else:
+            sums = ring.run(lambda tr: ring_allreduce(tr, pays[tr.rank].values, timeout=600.0,
+                                                      wire_dtype=codec.wire_dtype))
+        outs = []
+        for r in range(W):
+            o = np.empty(n, np.float32)
+            codec.decompress(Payload(header=dict(pays[r].header), values=sums[r]), o, cs[r], states[r])
+            codec.after_round(states[r], o, cs[r])
+            outs.append(o)
+        if not all(np.array_equal(outs[0], o) for o in outs[1:]):
+            raise RuntimeError(f"the ring's results differ between nodes ({name})")
+        return (outs[0] / np.float32(W)).astype(np.float32), max(tr.bytes_sent for tr in ring.transports)
+
     def _reduce(self, name: str, xs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         n = xs[0].size
+        if self.codec == "ring":
+            return self._ring(name, xs)
         codec, qbits, ef = self.codec, {"q8": 8, "q4": 4, "q2": 2, "q2n": -2}.get(self.codec, 0), self.ef
         if codec == "auto":
             codec, qbits, ef = self.spec[name]
@@ -146,7 +190,9 @@ class _Client:
 
     def allreduce_async(self, array, *, op="mean", name=None, codec=None, **params) -> _Handle:
         spec: tuple = ()
-        if self.coll.codec == "auto":
+        if self.coll.codec == "ring":
+            spec = (codec or "none", dict(params))
+        elif self.coll.codec == "auto":
             if codec in ("none", "fp16"):
                 spec = (codec, 0, False)
             elif codec == "lowbit":
@@ -171,9 +217,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--opts", default="{}", help="bnt.DiLoCo keywords as JSON (sync_every as a list)")
     ap.add_argument("--set", default="{}", help="birdnet.client.diloco module constants to set first, as JSON")
-    ap.add_argument("--codec", default="q8", choices=["auto", "none", "fp16", "q8", "q4", "q2", "q2n"],
+    ap.add_argument("--codec", default="q8", choices=["auto", "ring", "none", "fp16", "q8", "q4", "q2", "q2n"],
                     help="the emulated codec for every sync; auto: the one bnt.DiLoCo names for each sync "
-                    "(none, fp16, or lowbit as qB with its bits and error feedback)")
+                    "(none, fp16, or lowbit as qB with its bits and error feedback); ring: that codec itself through the "
+                    "real ring algorithm in memory")
     ap.add_argument("--block", type=int, default=64)
     ap.add_argument("--ef", action="store_true", help="error feedback on the workers' quantisation (q8/q4)")
     ap.add_argument("--steps", type=int, default=320)
