@@ -5,9 +5,11 @@ format (lowbit), summed by the real ring over an in-memory transport, and decomp
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from birdnet.codecs import Pattern, Payload, RoundContext
 from birdnet.codecs.base import pack_buffers
+from birdnet.errors import BirdnetError, ProtocolError
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.transport import MemoryRing
 
@@ -54,3 +56,31 @@ def sim_round(codec, xs, states, rnd=0, seed=1234):
     for c, s in zip(cs, states):
         codec.after_round(s, outs[0], c)
     return outs[0], pays
+
+
+def wire_ring(xs, wires, chunk_bytes=256, tags=None):
+    """Sum ``xs`` (one array per rank) through the real ring over an in-memory transport, each
+    rank with its own wire format; returns (results, bytes sent by each rank)."""
+    world = len(xs)
+    mr = MemoryRing(world)
+    tags = tags or [{}] * world
+    outs = mr.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=30.0, wire=wires[t.rank],
+                                           chunk_bytes=chunk_bytes, tag=tags[t.rank]))
+    return outs, [t.bytes_sent for t in mr.transports]
+
+
+def assert_mismatched_wires_fail(xs, wires):
+    """A rank whose wire format differs from its neighbours' fails the round with a ProtocolError
+    about the bytes (every rank raises; none hangs)."""
+    errors = []
+
+    def node(t):
+        try:
+            return ring_allreduce(t, xs[t.rank], timeout=2.0, wire=wires[t.rank])
+        except BirdnetError as exc:
+            errors.append(exc)
+            raise
+
+    with pytest.raises(BirdnetError):
+        MemoryRing(len(xs)).run(node, timeout=30.0)
+    assert any(isinstance(e, ProtocolError) and "bytes" in str(e) for e in errors)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _codec_sim import assert_mismatched_wires_fail, wire_ring
 
 from birdnet.codecs import get_codec
 from birdnet.codecs.base import RoundContext, begin_round, commit_round
@@ -122,12 +123,8 @@ def test_kernel_wrappers_reject_bad_arrays():
 
 # -- the ring ------------------------------------------------------------------------------------
 def ring(xs, bits, block, residuals=None, chunk_bytes=256, tag=None, midrise=False):
-    world = len(xs)
-    mr = MemoryRing(world)
-    wires = [LowbitWire(bits, block, None if residuals is None else residuals[r], midrise) for r in range(world)]
-    outs = mr.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=30.0, wire=wires[t.rank],
-                                           chunk_bytes=chunk_bytes, tag=(tag or [{}] * world)[t.rank]))
-    return outs, [t.bytes_sent for t in mr.transports]
+    wires = [LowbitWire(bits, block, None if residuals is None else residuals[r], midrise) for r in range(len(xs))]
+    return wire_ring(xs, wires, chunk_bytes, tag)
 
 
 @pytest.mark.parametrize("bits,midrise", [(8, False), (4, False), (2, False), (4, True), (2, True)])
@@ -236,18 +233,4 @@ def test_any_bytes_of_the_right_length_decode_without_harm(bits):
 
 
 def test_a_peer_with_another_encoding_fails_the_round_not_hangs():
-    from birdnet.errors import BirdnetError, ProtocolError
-    xs = [data(1000, r) for r in range(3)]
-    wires = [LowbitWire(8, 64), LowbitWire(4, 64), LowbitWire(8, 64)]
-    errors = []
-
-    def node(t):
-        try:
-            return ring_allreduce(t, xs[t.rank], timeout=2.0, wire=wires[t.rank])
-        except BirdnetError as exc:
-            errors.append(exc)
-            raise
-
-    with pytest.raises(BirdnetError):
-        MemoryRing(3).run(node, timeout=30.0)
-    assert any(isinstance(e, ProtocolError) and "bytes" in str(e) for e in errors)
+    assert_mismatched_wires_fail([data(1000, r) for r in range(3)], [LowbitWire(8, 64), LowbitWire(4, 64), LowbitWire(8, 64)])

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _codec_sim import wire_ring
 
 from birdnet.codecs import get_codec
 from birdnet.codecs.lowbit import LowbitWire
 from birdnet.errors import CodecError
 from birdnet.kernels import lowbit as K
-from birdnet.ring.dense import ring_allreduce
-from birdnet.ring.transport import MemoryRing
 
 
 def ref_encode1(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,11 +100,8 @@ def test_the_mean_abs_scale_has_the_least_squared_error():
 
 
 def ring(xs, block, residuals=None, chunk_bytes=256):
-    world = len(xs)
-    mr = MemoryRing(world)
-    wires = [LowbitWire(1, block, None if residuals is None else residuals[r]) for r in range(world)]
-    outs = mr.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=30.0, wire=wires[t.rank], chunk_bytes=chunk_bytes))
-    return outs, [t.bytes_sent for t in mr.transports]
+    wires = [LowbitWire(1, block, None if residuals is None else residuals[r]) for r in range(len(xs))]
+    return wire_ring(xs, wires, chunk_bytes)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

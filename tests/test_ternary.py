@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _codec_sim import assert_mismatched_wires_fail, wire_ring
 
 from birdnet.codecs import get_codec
 from birdnet.codecs.ternary import TernaryWire
-from birdnet.errors import BirdnetError, CodecError, ProtocolError
+from birdnet.errors import CodecError
 from birdnet.kernels import ternary as T
-from birdnet.ring.dense import ring_allreduce
-from birdnet.ring.transport import MemoryRing
 
 
 def ref_encode(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,11 +109,8 @@ def test_zero_and_nonfinite_blocks_and_any_peer_bytes():
 
 
 def ring(xs, block, residuals=None, chunk_bytes=256):
-    world = len(xs)
-    mr = MemoryRing(world)
-    wires = [TernaryWire(block, None if residuals is None else residuals[r]) for r in range(world)]
-    outs = mr.run(lambda t: ring_allreduce(t, xs[t.rank], timeout=30.0, wire=wires[t.rank], chunk_bytes=chunk_bytes))
-    return outs, [t.bytes_sent for t in mr.transports]
+    wires = [TernaryWire(block, None if residuals is None else residuals[r]) for r in range(len(xs))]
+    return wire_ring(xs, wires, chunk_bytes)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
@@ -167,17 +163,4 @@ def test_parameters_are_checked_with_a_fix():
 
 
 def test_a_peer_with_another_block_fails_the_round_not_hangs():
-    xs = [data(1000, r) for r in range(3)]
-    wires = [TernaryWire(320), TernaryWire(64), TernaryWire(320)]
-    errors = []
-
-    def node(t):
-        try:
-            return ring_allreduce(t, xs[t.rank], timeout=2.0, wire=wires[t.rank])
-        except BirdnetError as exc:
-            errors.append(exc)
-            raise
-
-    with pytest.raises(BirdnetError):
-        MemoryRing(3).run(node, timeout=30.0)
-    assert any(isinstance(e, ProtocolError) and "bytes" in str(e) for e in errors)
+    assert_mismatched_wires_fail([data(1000, r) for r in range(3)], [TernaryWire(320), TernaryWire(64), TernaryWire(320)])
