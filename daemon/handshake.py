@@ -74,6 +74,25 @@ def left_handshake_failure(event: int, curve: bool) -> str:
     return "no CURVE (plaintext peer) or a protocol error" if curve else "protocol error"
 
 
+def dealer_identity(rank: int, incarnation: str) -> bytes:
+    """The ZeroMQ identity of a daemon's DEALERs: its rank and incarnation, the same for every
+    reconnection of one daemon (so a peer's ROUTER hands the name over to the newest connection)."""
+    return f"r{rank}-{incarnation}".encode()
+
+
+def renamed_remnant(identity: bytes, rank: Any, inc: Any, current: bytes | None) -> bool:
+    """Whether a ping from ``identity`` claiming ``rank`` and incarnation ``inc`` came over the older
+    connection of the daemon already accepted as ``current``: the peer reconnected its DEALER (it
+    dropped a queue its silent neighbour never read) and ZeroMQ's handover gave the new connection
+    the daemon's identity and the old one a generated name, under which it still delivers what was
+    in flight. One daemon, not two: taken for a second claim of the rank, both were refused for
+    peer_timeout and the rounds meanwhile failed."""
+    if not isinstance(inc, str) or not isinstance(rank, int) or isinstance(rank, bool):
+        return False
+    own = dealer_identity(rank, inc)
+    return identity != own and current == own
+
+
 class DuplicateClaims:
     """Two live daemons claiming one rank (a --rank given twice, or one hosts-file line used by two
     machines).
@@ -104,13 +123,15 @@ class DuplicateClaims:
         if dup is None:
             if identity == current or identity not in replaced or current is None or current not in live:
                 return None, False
+            if live[current][1] == str(inc):
+                return None, False  # one incarnation is one daemon (a process's pid and a random tag)
             dup = (f"two daemons claim rank {rank} ({self.address_of(rank)}): incarnations "
                    f"{live[current][1]} and {inc}; each node needs its own hosts-file line "
                    "and --rank (a configuration error: stop one of them)")
             log.error("%s", dup)
             self.duplicates[rank] = dup
             return dup, True
-        if len(live) < 2:
+        if len({c[1] for c in live.values()}) < 2:
             log.info("only one daemon claims rank %d now", rank)
             del self.duplicates[rank]
             return None, False
@@ -155,6 +176,13 @@ class HeldMessages:
             return
         self.by_identity.setdefault(identity, []).append((now, who, msg, nbytes))
         self.nbytes += nbytes
+
+    def discard(self, identity: bytes) -> None:
+        """Drop what ``identity`` sent (a connection whose messages nobody will use)."""
+        held = self.by_identity.pop(identity, ())
+        if held:
+            self.nbytes -= sum(m[3] for m in held)
+            self.drop(f"{len(held)} message(s) from {identity[:40]!r}, an older connection of an accepted peer")
 
     def release(self, identity: bytes, who: str | None, tag: dict[str, Any], curve: bool) -> None:
         """The connection ``identity`` passed its ping check: what it sent before is ready now, in

@@ -40,8 +40,10 @@ from birdnet.daemon.handshake import (
     MAX_REASON_CHARS,
     DuplicateClaims,
     HeldMessages,
+    dealer_identity,
     left_handshake_failure,
     ping_refusal,
+    renamed_remnant,
     right_handshake_failure,
 )
 from birdnet.daemon.lane import EarlyLaneData
@@ -148,7 +150,7 @@ class PeerNet:
             d = peer_socket(ctx, zmq.DEALER, settings)
             if curve is not None:
                 curve.configure_client(d, peers[r])
-            d.setsockopt(zmq.IDENTITY, f"r{rank}-{self.incarnation}".encode())
+            d.setsockopt(zmq.IDENTITY, dealer_identity(rank, self.incarnation))
             d.setsockopt(zmq.RECONNECT_IVL, 100)
             d.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max(settings))
             self.dealers[r] = d
@@ -715,6 +717,12 @@ class PeerNet:
         who = self._peer_of_connection(frame) if self.curve is not None else None
         reason = ping_refusal(h, world=self.world, rank=self.rank, cluster_wide=self.cluster_wide,
                               curve=self.curve is not None, who=who, claimed=r, rank_problem=m.rank_problem(self, r))
+        if reason is None and renamed_remnant(identity, r, h.get("inc"), self.identity_of.get(r)):
+            # what it still delivers was sent before the peer dropped its queue on purpose (numbering
+            # restarts with "qr" on the new connection): dropped, as that queue was
+            self._replaced.append(identity)
+            self.held.discard(identity)
+            return
         if reason is None:
             reason, new = self.claims.claim(identity, r, h.get("inc"), self.identity_of.get(r), self._replaced)
             if new:

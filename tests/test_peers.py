@@ -607,3 +607,42 @@ def test_a_reconnection_under_the_same_identity_takes_over_the_old_connection(ri
     got = collect(net, 1.0)
     assert [h["t"] for h in got] == ["start"], got
     assert new.poll(1000), "the new connection's ping was never answered"
+
+
+
+
+def test_the_older_connection_of_a_reconnected_peer_is_not_a_second_daemon(ring):
+    """A neighbour that drops its queue (disconnect, connect) while this ROUTER still holds unread
+    pings of the old connection: ZeroMQ's handover gives the new connection the neighbour's
+    identity and the old one a generated name, under which those pings still arrive (seen when a
+    daemon restarted and its neighbours' queued pings reached it; the timing is ZeroMQ's, so here a
+    DEALER with a name that is not a daemon's plays the renamed connection). Taken for a second
+    daemon claiming the rank (the same incarnation twice), both were refused for peer_timeout and
+    an elastic rejoin failed after round_timeout. One incarnation is one daemon: the remnant's
+    messages are dropped, the daemon's own connection stays accepted and nothing is refused."""
+    net, settings, left = ring
+    own = left(b"r1-a")
+    own.send_multipart(ping(settings, "a"))
+    assert collect(net, 0.3) == [] and net.left_identity == b"r1-a"
+    remnant = left(b"\x01renamed")
+    remnant.send_multipart(wire.encode({"t": "data", "k": "j/0", "i": 1}))
+    remnant.send_multipart(ping(settings, "a"))
+    got = collect(net, 0.3)
+    for _ in range(3):  # the daemon's own pings after the remnant's
+        own.send_multipart(ping(settings, "a"))
+        own.send_multipart(wire.encode({"t": "start", "k": "j/1", "descs": [], "more": []}))
+        got += collect(net, 0.3)
+    assert [h["t"] for h in got] == ["start"] * 3, got
+    assert net.claims.duplicates == {} and net.left_identity == b"r1-a"
+    answers = []
+    while own.poll(200):
+        answers.append(wire.decode(own.recv_multipart(), max_bytes=wire.MAX_HEADER_BYTES)[0]["t"])
+    assert answers and set(answers) == {"pong"}, answers
+    assert not remnant.poll(100)  # the remnant is not answered
+    # a second daemon (another incarnation) claiming the rank is still refused
+    other = left(b"r1-b")
+    other.send_multipart(ping(settings, "b"))
+    collect(net, 0.3)
+    own.send_multipart(ping(settings, "a"))
+    collect(net, 0.3)
+    assert "two daemons claim rank 1" in net.claims.duplicates.get(1, ""), net.claims.duplicates
