@@ -13,6 +13,8 @@ import pytest
 
 from birdnet.bench import netns
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -12,6 +12,8 @@ import pytest
 
 from birdnet.bench.tta import identical, merge_ranks, parse_variants, report, speedup, table, time_to_target
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch is not installed (pip install torch) for the tta benchmark")
 

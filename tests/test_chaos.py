@@ -11,6 +11,8 @@ import pytest
 from birdnet.bench import netns
 from birdnet.bench.chaos import FAIL_FAST, run_chaos, verdict
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 
 @pytest.mark.timeout(240)
 def test_faults_at_random_points_split_no_call_and_the_loop_recovers(tmp_path):

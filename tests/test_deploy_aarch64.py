@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "deploy" / "check_aarch64.sh"
 sys.path.insert(0, str(ROOT / "deploy" / "aarch64"))

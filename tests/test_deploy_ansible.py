@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = ROOT / "deploy" / "ansible"
 ROLE = ANSIBLE_DIR / "roles" / "birdnet"

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "deploy" / "systemd" / "birdnetd.service"
 ANALYZE = shutil.which("systemd-analyze")

@@ -10,7 +10,7 @@ from cluster import LocalCluster
 from birdnet.bench import netns
 
 ok, why = netns.available()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")]
+pytestmark = [pytest.mark.heavy, pytest.mark.netns, pytest.mark.skipif(not ok, reason=f"network namespaces unavailable: {why}")]
 
 SIZES = [0, 1, 3, 1000, 100003, 11689512]
 

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from cluster import LocalCluster
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 HERE = Path(__file__).resolve().parent
 PEER_TIMEOUT = 4.0  # LocalCluster's --peer-timeout
 N = 3000  # above the dense threshold, so codecs compress

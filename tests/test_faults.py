@@ -19,6 +19,8 @@ from cluster import LocalCluster, wait_ring_ok
 from birdnet.bench import netns
 from birdnet.hosts import load_hosts
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 PEER_TIMEOUT = 4.0
 SLACK = 3.0  # detection runs on heartbeats (0.25 s) and the loops' poll intervals
 HERE = Path(__file__).resolve().parent

@@ -18,6 +18,8 @@ from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
 from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 MAX_MESSAGE = 1 << 20  # the fuzzed cluster's --max-message-bytes: oversized frames are cheap to make
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 # chunks of chunk_bytes (1 MiB) only: growing ones would not fit under MAX_MESSAGE

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from birdnet import PROTOCOL_VERSION, wire
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 RSS_GROWTH_LIMIT = 64 << 20
 CHECK_TIMEOUT = 20.0
 #: the module's daemon drops a silent connection after this (the default 5 s made the suite wait)

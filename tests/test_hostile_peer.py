@@ -26,7 +26,7 @@ from birdnet import PROTOCOL_VERSION
 from birdnet.config import Settings
 from birdnet.wire import PROTOCOL_ID as PID  # this build's "birdnet/N"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(120)]
 
 MAX_MESSAGE = 4 << 20  # the ring's --max-message-bytes: an over-limit message is cheap to make
 EXTRA = ["--max-message-bytes", str(MAX_MESSAGE), "--chunk-bytes", str(1 << 20), "--round-timeout", "4",

@@ -12,6 +12,8 @@ from birdnet.errors import PeerLostError
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.transport import MemoryRing
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 
 def expected_mean(i: int, size: int, n: int) -> np.ndarray:
     """What lane_rounds' call ``i`` averages: seeded data of every global rank, summed in float64."""

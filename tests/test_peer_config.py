@@ -16,7 +16,7 @@ from birdnet.config import Settings
 from birdnet.errors import ConfigError
 from birdnet.hosts import parse_hosts
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(120)]
 
 
 def test_timeouts_are_cluster_wide():

@@ -16,6 +16,8 @@ import workers
 import zmq
 from cluster import LocalCluster
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 
 def keygen(d: Path) -> str:
     r = subprocess.run([sys.executable, "-m", "birdnet.cli", "keygen", "--out", str(d)], capture_output=True,

@@ -28,6 +28,8 @@ from test_faults import PEER_TIMEOUT, drivers, together  # noqa: F401 - the fixt
 from birdnet import wire
 from birdnet.errors import ProtocolError
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 
 # -- the rule ----------------------------------------------------------------------------------------
 def _all_reports(world: int):

@@ -19,6 +19,8 @@ from cluster import LocalCluster
 
 from birdnet.shm import segment_prefix
 
+pytestmark = pytest.mark.heavy  # CI runs it on the default Python only (.ci/run)
+
 SECONDS = float(os.environ.get("BIRDNET_SOAK_SECONDS", "36"))
 SIZES = [0, 1, 1000, 5000, 100003, 400000]
 CODECS = ["none", "fp16", "topk", "randomk", "qsgd", "marsit"]
