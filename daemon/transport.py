@@ -114,65 +114,62 @@ class RoundTransport:
             raise PeerLostError(gap)
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        if self.lane:
+        nb, net, rd, key, lane = self.neighbours, self.net, self.round, self.key, self.lane
+        if lane:
             if self._gaps:
                 self._check_gap()  # early data may have come after lost messages
             # nothing kept (EarlyLaneData.messages 0), the common case, asked without a call
-            early = self.net.take_early(self.key) if getattr(self.net.early, "messages", 1) else None
+            early = net.take_early(key) if getattr(net.early, "messages", 1) else None
             if early is not None:
                 self.bytes_received += sum(b.nbytes for b in early["b"])
                 return early["h"], early["b"]
-            self.net.reading = self.key
-            try:
-                return self._recv(deadline)
-            finally:
-                self.net.reading = None
-        return self._recv(deadline)
-
-    def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        nb, net, rd, key, lane = self.neighbours, self.net, self.round, self.key, self.lane
-        while True:
-            if net.stopping:
-                raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
-            now = time.monotonic()
-            # Peers counted lost change at peer_timeout's pace: asked at most every
-            # LIVENESS_CHECK_INTERVAL while messages come (the questions were a third of the Python
-            # calls of a dense round); a restarted neighbour is noticed at once, as before.
-            if now >= self._check_at or self._live.neighbour_restarts != self.restarts_at:
-                why = nb.why_gone(net, key, self.restarts_at)
-                if why:
-                    raise PeerLostError(why)
-                self._check_at = now + LIVENESS_CHECK_INTERVAL
-            if self._gaps:
-                self._check_gap()
-            if now >= deadline:
-                if self.lane:
-                    raise RoundTimeoutError(
-                        f"round {self.key} did not complete within round_timeout="
-                        f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
-                raise PeerLostError(
-                    f"no data from {nb.describe_left()} for round {self.key} within "
-                    f"{self.net.settings.peer_timeout} s")
-            before = net.bytes_received
-            msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
-            if msg is None:
-                continue
-            rec = msg.get("r")
-            if self._left_only and type(rec) is Data and rd.phase is Phase.RUNNING:
-                if rec.key != key or rec.lane != lane:
-                    continue  # stale: of an earlier, failed round, or of a lane round given up
-            else:
-                step = rd.handle(msg)
-                if step is not Step.TAKE:
-                    if step is Step.COUNT:
-                        note_commit(net, record_of(msg))
+            net.reading = key  # this round's lane data is returned, not kept as early (PeerNet.poll)
+        try:
+            while True:
+                if net.stopping:
+                    raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
+                now = time.monotonic()
+                # Peers counted lost change at peer_timeout's pace: asked at most every
+                # LIVENESS_CHECK_INTERVAL while messages come (the questions were a third of the Python
+                # calls of a dense round); a restarted neighbour is noticed at once, as before.
+                if now >= self._check_at or self._live.neighbour_restarts != self.restarts_at:
+                    why = nb.why_gone(net, key, self.restarts_at)
+                    if why:
+                        raise PeerLostError(why)
+                    self._check_at = now + LIVENESS_CHECK_INTERVAL
+                if self._gaps:
+                    self._check_gap()
+                if now >= deadline:
+                    if self.lane:
+                        raise RoundTimeoutError(
+                            f"round {self.key} did not complete within round_timeout={net.settings.round_timeout} "
+                            "s: the job's processes on some node did not submit it")
+                    raise PeerLostError(
+                        f"no data from {nb.describe_left()} for round {self.key} within "
+                        f"{self.net.settings.peer_timeout} s")
+                before = net.bytes_received
+                msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
+                if msg is None:
                     continue
-            # data that came after lost messages is not used; control messages are handled first
-            # (a start or an abort of another round must not be lost with this one)
-            if self._gaps:
-                self._check_gap()
-            self.bytes_received += net.bytes_received - before
-            return msg["h"], msg["b"]
+                rec = msg.get("r")
+                if self._left_only and type(rec) is Data and rd.phase is Phase.RUNNING:
+                    if rec.key != key or rec.lane != lane:
+                        continue  # stale: of an earlier, failed round, or of a lane round given up
+                else:
+                    step = rd.handle(msg)
+                    if step is not Step.TAKE:
+                        if step is Step.COUNT:
+                            note_commit(net, record_of(msg))
+                        continue
+                # data that came after lost messages is not used; control messages are handled first
+                # (a start or an abort of another round must not be lost with this one)
+                if self._gaps:
+                    self._check_gap()
+                self.bytes_received += net.bytes_received - before
+                return msg["h"], msg["b"]
+        finally:
+            if lane:
+                net.reading = None
 
     # -- the commit: a round's result is released only once every node of the ring holds it ------
     def await_commit(self, timeout: float) -> None:
