@@ -65,10 +65,15 @@ class LocalRound:
     #: what the round changes in the codec state, applied only once its outcome is known to be a
     #: success everywhere (RoundRunner.commit); a failed round drops it
     commit_state: Callable[[], None] | None = None
+    #: (job, seq, key) of the last ``key`` asked: the ring thread asks it a dozen times a round
+    _key: tuple[str, int, str] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def key(self) -> str:
-        return round_key(self.job, self.seq)
+        k = self._key
+        if k is None or k[1] != self.seq or k[0] != self.job:  # seq changes (RingWorker._align)
+            k = self._key = (self.job, self.seq, round_key(self.job, self.seq))
+        return k[2]
 
 
 @dataclasses.dataclass

@@ -134,6 +134,9 @@ class SettleBook:
         self._asked: OrderedDict[str, _Entry] = OrderedDict()
         self.settlements = 0  #: settlements this node ran (for status and tests)
         self.answers = 0  #: questions this node answered
+        #: grows whenever an entry changes state or freezes: a commit wait asks :meth:`frozen` again
+        #: only then (RoundTransport.await_commit; the question was 15 calls a round)
+        self.changes = 0
 
     def _get(self, key: str) -> _Entry | None:
         return self._ran.get(key) or self._asked.get(key)
@@ -141,6 +144,7 @@ class SettleBook:
     def _set(self, key: str, state: str) -> _Entry:
         e = self._asked.pop(key, None) or self._ran.pop(key, None) or _Entry(state)
         e.state = state
+        self.changes += 1
         self._ran[key] = e
         while len(self._ran) > MAX_ROUNDS_KEPT:
             self._ran.popitem(last=False)
@@ -186,6 +190,7 @@ class SettleBook:
         if e.frozen is None:
             known = chain(self.rank, self.world, self._count(key))
             e.frozen = Report(e.state, known | {self.rank} if e.state == HOLDS else known)
+            self.changes += 1
         return e.frozen
 
 
@@ -330,6 +335,8 @@ def _read_answer(s: zmq.Socket, world: int, key: str, r: int) -> Report | None:
 FAULT_ENV = "BIRDNET_FAULT_POINT"
 FAULT_EXIT_STATUS = 9
 _fault = os.environ.get(FAULT_ENV, "")
+#: whether a fault point is set at all (hot paths look at it before asking which one)
+FAULT_POINT = bool(_fault)
 
 
 def exit_in_commit(rank: int, key: str) -> bool:

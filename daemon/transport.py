@@ -114,65 +114,62 @@ class RoundTransport:
             raise PeerLostError(gap)
 
     def recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        if self.lane:
+        nb, net, rd, key, lane = self.neighbours, self.net, self.round, self.key, self.lane
+        if lane:
             if self._gaps:
                 self._check_gap()  # early data may have come after lost messages
             # nothing kept (EarlyLaneData.messages 0), the common case, asked without a call
-            early = self.net.take_early(self.key) if getattr(self.net.early, "messages", 1) else None
+            early = net.take_early(key) if getattr(net.early, "messages", 1) else None
             if early is not None:
                 self.bytes_received += sum(b.nbytes for b in early["b"])
                 return early["h"], early["b"]
-            self.net.reading = self.key
-            try:
-                return self._recv(deadline)
-            finally:
-                self.net.reading = None
-        return self._recv(deadline)
-
-    def _recv(self, deadline: float) -> tuple[dict[str, Any], list[memoryview]]:
-        nb, net, rd, key, lane = self.neighbours, self.net, self.round, self.key, self.lane
-        while True:
-            if net.stopping:
-                raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
-            now = time.monotonic()
-            # Peers counted lost change at peer_timeout's pace: asked at most every
-            # LIVENESS_CHECK_INTERVAL while messages come (the questions were a third of the Python
-            # calls of a dense round); a restarted neighbour is noticed at once, as before.
-            if now >= self._check_at or self._live.neighbour_restarts != self.restarts_at:
-                why = nb.why_gone(net, key, self.restarts_at)
-                if why:
-                    raise PeerLostError(why)
-                self._check_at = now + LIVENESS_CHECK_INTERVAL
-            if self._gaps:
-                self._check_gap()
-            if now >= deadline:
-                if self.lane:
-                    raise RoundTimeoutError(
-                        f"round {self.key} did not complete within round_timeout="
-                        f"{self.net.settings.round_timeout} s: the job's processes on some node did not submit it")
-                raise PeerLostError(
-                    f"no data from {nb.describe_left()} for round {self.key} within "
-                    f"{self.net.settings.peer_timeout} s")
-            before = net.bytes_received
-            msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
-            if msg is None:
-                continue
-            rec = msg.get("r")
-            if self._left_only and type(rec) is Data and rd.phase is Phase.RUNNING:
-                if rec.key != key or rec.lane != lane:
-                    continue  # stale: of an earlier, failed round, or of a lane round given up
-            else:
-                step = rd.handle(msg)
-                if step is not Step.TAKE:
-                    if step is Step.COUNT:
-                        note_commit(net, record_of(msg))
+            net.reading = key  # this round's lane data is returned, not kept as early (PeerNet.poll)
+        try:
+            while True:
+                if net.stopping:
+                    raise ShutdownError(f"round {key} aborted: birdnetd on rank {net.rank} is shutting down")
+                now = time.monotonic()
+                # Peers counted lost change at peer_timeout's pace: asked at most every
+                # LIVENESS_CHECK_INTERVAL while messages come (the questions were a third of the Python
+                # calls of a dense round); a restarted neighbour is noticed at once, as before.
+                if now >= self._check_at or self._live.neighbour_restarts != self.restarts_at:
+                    why = nb.why_gone(net, key, self.restarts_at)
+                    if why:
+                        raise PeerLostError(why)
+                    self._check_at = now + LIVENESS_CHECK_INTERVAL
+                if self._gaps:
+                    self._check_gap()
+                if now >= deadline:
+                    if self.lane:
+                        raise RoundTimeoutError(
+                            f"round {self.key} did not complete within round_timeout={net.settings.round_timeout} "
+                            "s: the job's processes on some node did not submit it")
+                    raise PeerLostError(
+                        f"no data from {nb.describe_left()} for round {self.key} within "
+                        f"{self.net.settings.peer_timeout} s")
+                before = net.bytes_received
+                msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
+                if msg is None:
                     continue
-            # data that came after lost messages is not used; control messages are handled first
-            # (a start or an abort of another round must not be lost with this one)
-            if self._gaps:
-                self._check_gap()
-            self.bytes_received += net.bytes_received - before
-            return msg["h"], msg["b"]
+                rec = msg.get("r")
+                if self._left_only and type(rec) is Data and rd.phase is Phase.RUNNING:
+                    if rec.key != key or rec.lane != lane:
+                        continue  # stale: of an earlier, failed round, or of a lane round given up
+                else:
+                    step = rd.handle(msg)
+                    if step is not Step.TAKE:
+                        if step is Step.COUNT:
+                            note_commit(net, record_of(msg))
+                        continue
+                # data that came after lost messages is not used; control messages are handled first
+                # (a start or an abort of another round must not be lost with this one)
+                if self._gaps:
+                    self._check_gap()
+                self.bytes_received += net.bytes_received - before
+                return msg["h"], msg["b"]
+        finally:
+            if lane:
+                net.reading = None
 
     # -- the commit: a round's result is released only once every node of the ring holds it ------
     def await_commit(self, timeout: float) -> None:
@@ -199,7 +196,7 @@ class RoundTransport:
         net, nb, key = self.net, self.neighbours, self.key
         book = net.settle_book  # settlement (daemon/settle.py): what this node tells askers
         book.holding(key)
-        if settle.fault_at("stop-in-commit", net.rank, key):  # a test's fault point
+        if settle.FAULT_POINT and settle.fault_at("stop-in-commit", net.rank, key):  # a test's fault point
             settle.stop_now()
         deadline = time.monotonic() + timeout
         sent = 0
@@ -226,15 +223,26 @@ class RoundTransport:
         #: a settlement left the round undecided (a silent node may have released it): settle again
         #: once every peer is heard, a neighbour restarts, or at the deadline
         undecided = False
+        # book.frozen(key) as of book.changes (asked again only when the book changed: an answer to
+        # a question, a settlement); the peers counted lost as of ``check_at`` (asked at most every
+        # LIVENESS_CHECK_INTERVAL while counts come, as a wait for data asks, and after every poll
+        # that brought nothing). Both were half the Python calls of a commit, every round.
+        seen_changes, frozen = -1, False
+        lost: set[int] = set()
+        check_at = 0.0
+        live, counts = self._live, net.commits
 
         try:
             while True:
-                have = commit_count(net, key)
+                if book.changes != seen_changes:
+                    seen_changes, frozen = book.changes, book.frozen(key)
+                have = counts.get(key, 0)  # commit_count, inline
                 c = min(need, 1 + have)
                 # a node whose answer is frozen passes no count on: the answer says how far its
                 # counts can have gone (settle.abort_safe)
-                if c > sent and not book.frozen(key):
-                    if c == need and settle.exit_in_commit(net.rank, key):  # a test's fault point
+                if c > sent and not frozen:
+                    # a test's fault point
+                    if c == need and settle.FAULT_POINT and settle.exit_in_commit(net.rank, key):
                         if sent == 0 and need > 1:
                             c = need - 1  # pass a smaller count on first: the ring is mid-commit
                         else:
@@ -256,7 +264,7 @@ class RoundTransport:
                 # Past the deadline the count is not trusted alone (this node may have been stopped
                 # while the others settled without it), nor once a node asked this one to settle,
                 # nor once a peer was counted lost or this node stalled (``unsure``).
-                if have >= need and now < deadline and not book.frozen(key) and unsure is None:
+                if have >= need and now < deadline and not frozen and unsure is None:
                     book.released(key)
                     return
                 # A restarted neighbour cannot complete the count (its new instance knows nothing of
@@ -265,7 +273,8 @@ class RoundTransport:
                 # when the nodes still heard are a majority; a minority (this node may be the one cut
                 # off) waits until they are heard again, or the deadline.
                 cause, error = None, PeerLostError
-                restarted = net.restarted_since(self.restarts_at)
+                restarted = (net.restarted_since(self.restarts_at)
+                             if live.neighbour_restarts != self.restarts_at else None)
                 if net.stopping:
                     # settled, not aborted: another node may have released the round already
                     cause, error = f"birdnetd on rank {net.rank} is shutting down", ShutdownError
@@ -277,12 +286,13 @@ class RoundTransport:
                     why = nb.why_gone(net, key, self.restarts_at)
                     cause = (f"the nodes did not all confirm holding the result within {timeout} s (the commit "
                              f"stopped at {nb.describe_left()})" + (f"; {why}" if why else ""))
-                elif book.frozen(key) and not undecided:
+                elif frozen and not undecided:
                     cause = "another node asked to settle it"
                 elif undecided and have >= need:
                     cause = "a count of world - 1 came (a node settled it as a success)"
                 else:
-                    lost = net.lost()
+                    if now >= check_at:
+                        lost, check_at = net.lost(), now + LIVENESS_CHECK_INTERVAL
                     if lost:
                         why = f"lost peer {net.describe_lost(lost)} during its commit"
                         unsure = unsure or why
@@ -298,11 +308,13 @@ class RoundTransport:
                     if self._settle(cause, take, error, restarted=bool(restarted) and error is PeerLostError,
                                     may_wait=may_wait):
                         return
-                    undecided = True
+                    undecided, check_at = True, 0.0
                     continue
                 msg = net.poll(min(deadline - now, net.settings.heartbeat_interval), data=True)
                 if msg is not None:
                     take(msg)
+                else:
+                    check_at = 0.0  # nothing came: the next pass asks who is lost
         finally:
             pop_commit(net, key)
             if later:

@@ -8,7 +8,7 @@ import pytest
 import workers
 from cluster import LocalCluster
 
-from birdnet.errors import PeerLostError
+from birdnet.errors import PeerLostError, ProtocolError
 from birdnet.ring.dense import ring_allreduce
 from birdnet.ring.transport import MemoryRing
 
@@ -52,6 +52,28 @@ def test_counts_travel_with_the_data_and_the_mean_is_the_agreed_one():
     for r in range(world):
         assert learned[r]["count"] == sum(counts)
         assert np.array_equal(got[r], agreed[r])
+
+
+@pytest.mark.parametrize("phase, n, needle", [
+    ("rs", -1, "ring rs step 0: bad process count -1 from rank 0"),
+    ("rs", True, "ring rs step 0: bad process count True from rank 0"),
+    ("ag", 3, "ring ag step 0: rank 0 counted 3 processes, this node 2"),
+])
+def test_a_bad_or_different_count_is_refused(phase, n, needle):
+    """A count that is no count, or an all-gather total other than the one this node summed, fails
+    the round on the node that receives it (the other waits, then gives up), naming the numbers."""
+    ring = MemoryRing(2)
+    real_send = ring.transports[0].send
+    ring.transports[0].send = lambda h, b=(): real_send({**h, "n": n} if h.get("p") == phase else h, b)
+
+    def node(t):
+        try:
+            ring_allreduce(t, np.ones(5000, np.float32), timeout=2.0, chunk_bytes=4096, count=1, mean=True)
+        except (ProtocolError, PeerLostError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+    got = ring.run(node, timeout=30)
+    assert got[1] == f"ProtocolError: {needle}", got
 
 
 def test_a_round_writes_nothing_until_every_node_has_joined():
