@@ -4,7 +4,8 @@ kernels' 2-bit midrise encoding (``block`` >= 128) replaced by a NumPy emulation
 every other sync (1 bit, 4 bits) and the ring itself are the real ones:
 
     python -m birdnet.bench.tools.lowbit2_variants --variant mean --steps 400 --eval-every 20 \\
-        --set '{"DEFAULT_CODEC_PARAMS": {"bits": 2, "midrise": true, "block": 256}, "DEFAULT_WARMUP_CODEC_PARAMS": {"bits": 1, "block": 256}}'
+        --set '{"DEFAULT_CODEC_PARAMS": {"bits": 2, "midrise": true, "block": 256},
+               "DEFAULT_WARMUP_CODEC_PARAMS": {"bits": 1, "block": 256}}'
 
 ``mean``    the step ``1.4 x`` the block's mean |x| (rounded up to a bfloat16) instead of absmax/1.5,
             levels +-0.5 and +-1.5 steps, values beyond the outer level clipped (error feedback
