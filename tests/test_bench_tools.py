@@ -41,3 +41,48 @@ def test_repeat_stats_on_two_invocations():
     r = _tool("repeat_stats", *files)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "invocations, codec none" in r.stdout and "loop  median" in r.stdout, r.stdout[:2000]
+
+
+@pytest.mark.parametrize("variant,gauss,laplace", [("mean", 0.13, 0.21), ("twomag", 0.12, 0.19)])
+def test_lowbit2_variants_decode_what_they_encode_with_the_error_they_state(variant, gauss, laplace, monkeypatch):
+    # docs/slowlink.md's emulated 2-bit rows: the codes must round-trip and have the squared error
+    # the tool's docstring states (lowbit's absmax midrise levels: 0.36 and 1.10 on the same data)
+    import numpy as np
+
+    from birdnet.bench.tools import lowbit2_variants as V
+    from birdnet.kernels import lowbit as K
+
+    rng = np.random.default_rng(0)
+    code = V.VARIANTS[variant]()
+    for x, bound, absmax_err in ((rng.standard_normal(256 * 100 + 5), gauss, 0.35),
+                                 (rng.laplace(size=256 * 100 + 5), laplace, 1.0)):
+        x = x.astype(np.float32)
+        buf, vals = code.encode(x, 256)
+        assert buf.shape[0] == code.nbytes(x.shape[0], 256)
+        np.testing.assert_array_equal(code.decode(buf, x.shape[0], 256), vals)
+        assert np.mean((vals - x) ** 2) / np.mean(x ** 2) < bound
+        ref = np.empty_like(x)
+        K.encode(x, 2, 256, deq=ref, midrise=True)
+        assert np.mean((ref - x) ** 2) / np.mean(x ** 2) > absmax_err
+    # installed, it takes lowbit's 2-bit midrise blocks of >= 128 and nothing else
+    for attr in ("encode", "decode", "nbytes"):
+        monkeypatch.setattr(K, attr, getattr(K, attr))
+    x = rng.standard_normal(1000).astype(np.float32)
+    four = K.encode(x, 4, 64)
+    V.install(code)
+    np.testing.assert_array_equal(K.encode(x, 4, 64), four)
+    res = np.zeros(1000, np.float32)
+    buf = K.encode(x, 2, 256, midrise=True, residual=res)
+    out = np.empty(1000, np.float32)
+    K.decode(buf, 2, 256, out, midrise=True)
+    np.testing.assert_array_equal(out, code.encode(x, 256)[1])
+    np.testing.assert_array_equal(res, x - out)
+    assert K.nbytes(1000, 2, 256) == buf.shape[0]
+
+
+def test_lowbit2_variants_passes_on_to_the_loop_simulation():
+    pytest.importorskip("torch")
+    r = _tool("lowbit2_variants", "--variant", "mean", "--help")
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+    r = _tool("lowbit2_variants", "--steps", "10")
+    assert r.returncode != 0 and "--variant" in r.stderr
