@@ -123,15 +123,13 @@ class DuplicateClaims:
         if dup is None:
             if identity == current or identity not in replaced or current is None or current not in live:
                 return None, False
-            if live[current][1] == str(inc):
-                return None, False  # one incarnation is one daemon (a process's pid and a random tag)
             dup = (f"two daemons claim rank {rank} ({self.address_of(rank)}): incarnations "
                    f"{live[current][1]} and {inc}; each node needs its own hosts-file line "
                    "and --rank (a configuration error: stop one of them)")
             log.error("%s", dup)
             self.duplicates[rank] = dup
             return dup, True
-        if len({c[1] for c in live.values()}) < 2:
+        if len(live) < 2:
             log.info("only one daemon claims rank %d now", rank)
             del self.duplicates[rank]
             return None, False

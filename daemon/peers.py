@@ -720,7 +720,8 @@ class PeerNet:
         if reason is None and renamed_remnant(identity, r, h.get("inc"), self.identity_of.get(r)):
             # what it still delivers was sent before the peer dropped its queue on purpose (numbering
             # restarts with "qr" on the new connection): dropped, as that queue was
-            self._replaced.append(identity)
+            if identity not in self._replaced:  # it pings every heartbeat until ZeroMQ closes it
+                self._replaced.append(identity)
             self.held.discard(identity)
             return
         if reason is None:
