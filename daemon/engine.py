@@ -47,7 +47,7 @@ from birdnet.daemon.runner import (  # noqa: F401 - the runner's names, importab
     description_digest,
     seed_for,
 )
-from birdnet.daemon.transport import RoundTransport
+from birdnet.daemon.transport import RoundTransport, pop_commit
 
 from birdnet.config import Settings
 from birdnet.errors import (
@@ -649,6 +649,7 @@ class RingWorker(threading.Thread):
         counts = rd.counts if rd is not None else None
         if self.commits:  # settlement hook (daemon/settle.py): what is known of an earlier run's same key goes
             self.net.settle_book.started(rnd.key)
+            pop_commit(self.net, rnd.key)  # and any count of it (no count of this run can have come yet)
         try:
             # the transport's rank and world: positions in the live ring in elastic mode
             self.runner.run(rnd, transport, transport.rank, transport.world, counts, defer_commit=True)

@@ -172,6 +172,12 @@ class SettleBook:
         if e is None or e.state != RELEASED:
             self._set(key, ABORTED)
 
+    def finished(self, key: str) -> bool:
+        """Whether this node released or failed round ``key`` (its commit counts are late from then
+        on: transport.note_commit drops them)."""
+        e = self._ran.get(key)
+        return e is not None and e.state in (RELEASED, ABORTED)
+
     def frozen(self, key: str) -> bool:
         """Whether this node answered a question on round ``key`` (it must settle, not release on the count)."""
         e = self._get(key)

@@ -361,6 +361,13 @@ def note_commit(net: Any, rec: Commit | None) -> None:
     kept = getattr(net, "commits", None)
     if kept is None:
         return
+    book = getattr(net, "settle_book", None)
+    if book is not None and book.finished(key):
+        # late: a count after this node released the round (a settlement's world - 1, sent to a
+        # right neighbour that may have released already; a count sent again after a queue drop), or
+        # after it failed it. Kept, it would release a later run of the same key (a restarted job
+        # numbers its calls from 0 again) before every node holds that run's result.
+        return
     if c > kept.get(key, 0):
         if key not in kept and len(kept) >= MAX_COMMITS_KEPT:
             kept.pop(next(iter(kept)))

@@ -564,6 +564,22 @@ def test_a_round_is_released_only_once_the_left_neighbour_confirms_every_node_ho
     assert net.commits == {}  # nothing kept once the round took it
 
 
+def test_a_late_count_of_a_finished_round_cannot_release_a_later_run_of_its_key(committing):
+    """A count that comes after this node released a round (a settlement's world - 1 to a neighbour
+    that released already) is dropped, and a new run of the key (a restarted job numbers its calls
+    from 0 again) starts with no count: it waits for its own."""
+    net, settings, d, right = committing
+    d.send_multipart(numbered({"t": "commit", "k": "j/3", "c": 1}, 2))
+    RoundTransport(net, "j/3").await_commit(2.0)  # released
+    d.send_multipart(numbered({"t": "commit", "k": "j/3", "c": 1}, 3))  # late
+    d.send_multipart(numbered({"t": "data", "k": "j/4", "i": 1}, 4))
+    assert RoundTransport(net, "j/4").recv(time.monotonic() + 2)[0]["i"] == 1  # the late count was read
+    assert "j/3" not in net.commits
+    net.settle_book.started("j/3")  # the job's next run reaches the same key
+    with pytest.raises(PeerLostError, match="did not all confirm"):
+        RoundTransport(net, "j/3").await_commit(0.3)
+
+
 def test_a_round_whose_commit_never_comes_fails_and_an_abort_fails_it_at_once(committing):
     net, settings, d, right = committing
     with pytest.raises(PeerLostError, match=r"did not all confirm holding the result within 0.3 s"):
