@@ -3,9 +3,9 @@
 ``sparseloco`` added: a sync whose codec is ``sparseloco`` is computed here, every other sync (e.g.
 ``lowbit`` in the warm-up) by birdnet's real codec and ring::
 
-    python -m birdnet.bench.tools.sparseloco_sim --steps 400 --eval-every 20 \\
-        --set '{"DEFAULT_CODEC": "sparseloco", "DEFAULT_CODEC_PARAMS": {"chunk": 4096, "k": 64, "vbits": 2, "beta": 0.95},
-               "DEFAULT_WARMUP_CODEC": "sparseloco", "DEFAULT_WARMUP_CODEC_PARAMS": {"chunk": 4096, "k": 64, "vbits": 2, "beta": 1.0}}' \\
+    python -m birdnet.bench.tools.sparseloco_sim --steps 400 --eval-every 20 --set '{
+        "DEFAULT_CODEC": "sparseloco", "DEFAULT_CODEC_PARAMS": {"chunk": 4096, "k": 256, "vbits": 2, "beta": 0.95},
+        "DEFAULT_WARMUP_CODEC": "lowbit", "DEFAULT_WARMUP_CODEC_PARAMS": {"bits": 1, "block": 256}}' \\
         --opts '{"outer_lr": 1.0, "outer_momentum": 0.0}'
 
 Each worker r keeps an error-feedback accumulator ``e_r`` per (fragment, parameters), as the
