@@ -1,7 +1,9 @@
 """SparseLoCo-style pseudo-gradients (arXiv 2508.15706) on DiLoCo's syncs, emulated in NumPy
-(docs/slowlink.md, Bytes against steps). Runs ``diloco_loop_sim --codec ring`` with a codec named
-``sparseloco`` added: a sync whose codec is ``sparseloco`` is computed here, every other sync (e.g.
-``lowbit`` in the warm-up) by birdnet's real codec and ring::
+(docs/slowlink.md, Bytes against steps). Runs ``diloco_loop_sim --codec ring`` with a sync whose codec
+is ``sparseloco`` computed here instead of by birdnet's ``sparseloco`` codec (the same kept positions
+and values: tests/test_bench_tools.py; this emulation also sends the kept values in float32 or as
+1 bit, ``vbits``), every other sync (e.g. ``lowbit`` in the warm-up) by birdnet's real codec and
+ring; ``diloco_loop_sim --codec ring`` alone runs the real ``sparseloco`` codec::
 
     python -m birdnet.bench.tools.sparseloco_sim --steps 400 --eval-every 20 --set '{
         "DEFAULT_CODEC": "sparseloco", "DEFAULT_CODEC_PARAMS": {"chunk": 4096, "k": 256, "vbits": 2, "beta": 0.95},
@@ -84,8 +86,11 @@ def _bf16(v: np.ndarray) -> np.ndarray:
 def compress(e: np.ndarray, p: dict[str, Any]) -> np.ndarray:
     """The dense values a node sends (zero where not kept), per chunk top-k of |e|, quantised."""
     n, chunk, k = e.shape[0], p["chunk"], p["k"]
-    pad = (-n) % chunk
-    x = np.concatenate([e, np.zeros(pad, np.float32)]).reshape(-1, chunk)
+    full = n - n % chunk
+    if full < n:  # the last chunk, shorter, keeps min(k, its length) as the codec does
+        tail = compress(e[full:], {**p, "chunk": n - full})
+        return np.concatenate([compress(e[:full], p), tail]) if full else tail
+    x = e.reshape(-1, chunk)
     kk = min(k, chunk)
     idx = np.argpartition(-np.abs(x), kk - 1, axis=1)[:, :kk]
     v = np.take_along_axis(x, idx, axis=1)
