@@ -96,6 +96,7 @@ CONFIGURATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("signcascade", {}), ("signcascade", {"flush": 2}),
     ("lowbit", {}), ("lowbit", {"bits": 1}),
     ("ternary", {}),
+    ("sparseloco", {}),
 )
 
 

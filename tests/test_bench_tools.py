@@ -86,3 +86,28 @@ def test_lowbit2_variants_passes_on_to_the_loop_simulation():
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
     r = _tool("lowbit2_variants", "--steps", "10")
     assert r.returncode != 0 and "--variant" in r.stderr
+
+
+def test_sparseloco_sim_emulates_the_codec_it_stands_for():
+    # docs/slowlink.md's sparse rows: on the same accumulator the emulation keeps the positions and
+    # sends the values the sparseloco codec's kernel does, and counts the bytes its payload has
+    import numpy as np
+
+    from birdnet.bench.tools import sparseloco_sim as S
+    from birdnet.kernels import chunktopk as K
+
+    rng = np.random.default_rng(0)
+    for chunk, k in ((4096, 256), (256, 18), (1024, 200)):  # 200 of 1024: a bitmap
+        n = 3 * chunk + 77
+        e = (rng.standard_normal(n) * rng.exponential(1.0, n)).astype(np.float32)
+        sent = np.empty(n, np.float32)
+        scales, body = K.encode(e, chunk, k, sent)
+        p = S.params_of({"chunk": chunk, "k": k})
+        np.testing.assert_array_equal(S.compress(e, p), sent)
+        assert S.payload_bytes(n, p) == scales.nbytes + body.nbytes
+
+
+def test_sparseloco_sim_passes_on_to_the_loop_simulation():
+    pytest.importorskip("torch")
+    r = _tool("sparseloco_sim", "--help")
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]

@@ -17,16 +17,18 @@ SPECS = [
     ("birdplus", {"density": 0.01, "momentum": 0.9}),
     ("marsit", {}), ("marsit", {"momentum": 0.9, "flush": 2}), ("signcascade", {}),
     ("lowbit", {}), ("lowbit", {"bits": 4, "error_feedback": False}), ("lowbit", {"bits": 1}),
-    ("ternary", {}),
+    ("ternary", {}), ("sparseloco", {}),
 ]
 # Worst-case relative error of one round's sum, || out - sum x_i || / sum ||x_i||: exact codecs are
 # tight; "contractive" ones (docs/codecs.md: ||x - C(x)|| <= ||x||, or delayed by error feedback,
 # which in its first round sends the same) are at most 1 by the triangle inequality.
-BOUND = {"none": 1e-6, "fp16": 2e-3, "lowbit": 0.02, "lowbit4": 0.25, "topk": 1.0, "dgc": 1.0, "efsign": 1.0, "bird": 1.0, "birdplus": 1.0}
+BOUND = {"none": 1e-6, "fp16": 2e-3, "lowbit": 0.02, "lowbit4": 0.25, "topk": 1.0, "dgc": 1.0, "efsign": 1.0, "bird": 1.0, "birdplus": 1.0,
+         "sparseloco": 1.0}
 # Minimum compression ratio against the dense ring at density 0.01 / 1 bit per element.
 MIN_RATIO = {"topk": 20, "dgc": 20, "bird": 30, "birdplus": 30, "randomk": 30, "marsit": 25, "signcascade": 25,
              "efsign": 15, "fp16": 1.9, "qsgd": 1.9,
-             "lowbit": 3.7, "lowbit4": 7.0, "lowbit1": 20, "ternary": 15}  # gathered codecs: payload ratio x 2/N
+             "lowbit": 3.7, "lowbit4": 7.0, "lowbit1": 20, "ternary": 15,
+             "sparseloco": 50}  # gathered codecs: payload ratio x 2/N
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,15 @@ def test_a_warmed_configuration_compiles_nothing_more_in_rounds(codec, params, s
     assert counter.count == 0, f"rounds compiled {counter.count} kernel(s) warm() had not: {counter.seconds}"
 
 
+def test_sparseloco_warmed_at_its_defaults_covers_other_chunks_k_and_beta():
+    # DiLoCo's setting (k=256 of 4096, offsets) and a bitmap chunk (k=100 of 256) take the kernels
+    # the defaults (k=64) compiled: chunk, k and beta are arguments, not types
+    test_a_warmed_configuration_compiles_nothing_more_in_rounds(
+        "sparseloco", {"k": 256, "beta": 0.9}, (5000, 100003), warm_as={})
+    test_a_warmed_configuration_compiles_nothing_more_in_rounds(
+        "sparseloco", {"chunk": 256, "k": 100}, (5000,), warm_as={})
+
+
 def test_lowbit_warmed_at_its_defaults_covers_other_bits_and_no_error_feedback():
     # the start-up list has lowbit once: its kernels take bits, midrise and the residual as arguments
     test_a_warmed_configuration_compiles_nothing_more_in_rounds(

@@ -20,6 +20,7 @@ _MODULES: dict[str, str] = {
     "fp16": "birdnet.codecs.fp16:Fp16Codec",
     "lowbit": "birdnet.codecs.lowbit:LowbitCodec",
     "ternary": "birdnet.codecs.ternary:TernaryCodec",
+    "sparseloco": "birdnet.codecs.sparseloco:SparseLoCoCodec",
     "topk": "birdnet.codecs.topk:TopKCodec",
     "randomk": "birdnet.codecs.randomk:RandomKCodec",
     "dgc": "birdnet.codecs.dgc:DGCCodec",

@@ -27,8 +27,10 @@ thread per worker) with the codec emulated in NumPy:
           ``none``, ``fp16``, or ``lowbit`` as ``q<bits>`` (``q2n``) with its ``error_feedback``
 ``ring``  each sync with the codec ``bnt.DiLoCo`` names for it, birdnet's real codec through the
           real ring algorithm (birdnet.ring.dense over an in-memory transport, as the daemons run
-          it: for ``lowbit`` every hop's re-encoding and its error feedback, bit for bit), the sum
-          divided by 4; bytes per node are the ring's payload bytes as counted by the transport
+          it: for ``lowbit`` every hop's re-encoding and its error feedback, bit for bit; a gathered
+          codec such as ``sparseloco`` through birdnet.ring.gather, the payloads summed in rank
+          order), the sum divided by 4; bytes per node are the ring's payload bytes as counted by
+          the transport
 
 So the steps to the target should be what ``birdnet bench tta`` measures for the same options (up
 to the codec's emulation); the time is not measured here (use the bench). Bytes per sync are
@@ -116,14 +118,16 @@ class _Collective:
         cname, params = self.spec[name]
         n, W = xs[0].size, self.world
         codec = get_codec(cname, **params)
-        if codec.pattern != Pattern.SUMMABLE:
-            raise SystemExit(f"--codec ring runs summable codecs (none, fp16, lowbit), not {cname!r}")
+        if codec.pattern not in (Pattern.SUMMABLE, Pattern.GATHERED):
+            raise SystemExit(f"--codec ring runs summable and gathered codecs, not {cname!r} ({codec.pattern.value})")
         t = self.round
         states = self.state.setdefault((name, cname, json.dumps(params, sort_keys=True)),
                                        [codec.new_state(n) for _ in range(W)])
         cs = [RoundContext(job="sim", name=name, shape=(n,), round_id=t, rank=r, world=W, seed=t + 1,
                            tensor_round=t) for r in range(W)]
         pays = [codec.compress(x, c, st) for x, c, st in zip(xs, cs, states)]
+        if codec.pattern == Pattern.GATHERED:
+            return self._gather(codec, pays, cs, states, n)
         wires = [codec.wire_format(c, st) for c, st in zip(cs, states)]
         ring = MemoryRing(W)
         if wires[0] is not None:
@@ -140,6 +144,29 @@ class _Collective:
         if not all(np.array_equal(outs[0], o) for o in outs[1:]):
             raise RuntimeError(f"the ring's results differ between nodes ({name})")
         return (outs[0] / np.float32(W)).astype(np.float32), max(tr.bytes_sent for tr in ring.transports)
+
+    def _gather(self, codec, pays, cs, states, n: int) -> tuple[np.ndarray, int]:
+        """A gathered codec's round as the daemons run it: every payload round the ring
+        (birdnet.ring.gather), rebuilt from its bytes, summed in rank order and divided by W."""
+        from birdnet.codecs.base import pack_buffers
+        from birdnet.ring.gather import ring_allgather
+        from birdnet.ring.transport import MemoryRing
+
+        W = self.world
+        wires = [pack_buffers(p) for p in pays]
+        ring = MemoryRing(W)
+        got = ring.run(lambda tr: ring_allgather(tr, wires[tr.rank][0], wires[tr.rank][1], timeout=600.0))
+        outs = []
+        for r in range(W):
+            views = [[memoryview(np.ascontiguousarray(a)).cast("B") for a in b] for _h, b in got[r]]
+            payloads = [codec.payload_from_wire(dict(h), v) for (h, _b), v in zip(got[r], views)]
+            o = np.empty(n, np.float32)
+            codec.decompress_sum(payloads, o, cs[r], divide_by=W)
+            codec.after_round(states[r], o, cs[r])
+            outs.append(o)
+        if not all(np.array_equal(outs[0], o) for o in outs[1:]):
+            raise RuntimeError("the gathered results differ between nodes")
+        return outs[0], max(tr.bytes_sent for tr in ring.transports)
 
     def _reduce(self, name: str, xs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         n = xs[0].size
