@@ -22,22 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import birdnet.client.diloco as _dl
 import numpy as np
 import torch
 from birdnet.client import Client
-from birdnet.client.diloco import (
-    ADAM_CODEC,
-    ADAM_CODEC_PARAMS,
-    ADAM_OUTER_LR,
-    ADAM_OUTER_MOMENTUM,
-    ADAM_WARMUP_CODEC,
-    ADAM_WARMUP_CODEC_PARAMS,
-    OUTER_LR,
-    OUTER_MOMENTUM,
-    STATE_KEY,
-    WARMUP_OUTER_LR,
-    OuterLoop,
-)
+from birdnet.client.diloco import OUTER_LR, OUTER_MOMENTUM, STATE_KEY, WARMUP_OUTER_LR, OuterLoop
 
 from birdnet.errors import InputError
 
@@ -166,7 +155,9 @@ class _DiLoCo:
 
 
 def _adam_type(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    """Whether the ADAM_* defaults apply (read from birdnet.client.diloco at each call, so a
+    benchmark may set them)."""
+    return _dl.ADAM_DEFAULTS and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
 
 def outer_defaults(optimizer: torch.optim.Optimizer, codec: str | None = None) -> tuple[float, float]:
@@ -174,9 +165,9 @@ def outer_defaults(optimizer: torch.optim.Optimizer, codec: str | None = None) -
     default one): for Adam and AdamW with the default codec, SGD lr 3 without momentum on the sparse
     average (``ADAM_OUTER_LR``); with another codec DiLoCo's Nesterov SGD (0.7, 0.9; the paper's);
     plain averaging (1, 0) for the other optimizers (docs/slowlink.md, Defaults)."""
-    if _adam_type(optimizer):
-        if codec is None or codec == ADAM_CODEC:
-            return ADAM_OUTER_LR, ADAM_OUTER_MOMENTUM
+    if _adam_type(optimizer) and (codec is None or codec == _dl.ADAM_CODEC):
+        return _dl.ADAM_OUTER_LR, _dl.ADAM_OUTER_MOMENTUM
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return OUTER_LR, OUTER_MOMENTUM
     return WARMUP_OUTER_LR, 0.0
 
@@ -233,8 +224,8 @@ def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
     if codec is None and _adam_type(optimizer):
         if codec_params is not None:
             raise InputError("codec_params given without codec=; name the codec they belong to")
-        codec, codec_params = ADAM_CODEC, dict(ADAM_CODEC_PARAMS)
-        warm = dict(warmup_codec=ADAM_WARMUP_CODEC, warmup_codec_params=dict(ADAM_WARMUP_CODEC_PARAMS))
+        codec, codec_params = _dl.ADAM_CODEC, dict(_dl.ADAM_CODEC_PARAMS)
+        warm = dict(warmup_codec=_dl.ADAM_WARMUP_CODEC, warmup_codec_params=dict(_dl.ADAM_WARMUP_CODEC_PARAMS))
     options = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                    fragments=fragments, overlap=overlap, codec=codec,
                    codec_params=None if codec_params is None else dict(codec_params), timeout=timeout, **warm)

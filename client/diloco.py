@@ -65,7 +65,7 @@ from birdnet.client import Client, Handle
 
 from birdnet.errors import InputError, ProtocolError
 
-__all__ = ["ADAM_CODEC", "ADAM_CODEC_PARAMS", "ADAM_OUTER_LR", "ADAM_OUTER_MOMENTUM", "ADAM_WARMUP_CODEC",
+__all__ = ["ADAM_CODEC", "ADAM_DEFAULTS", "ADAM_CODEC_PARAMS", "ADAM_OUTER_LR", "ADAM_OUTER_MOMENTUM", "ADAM_WARMUP_CODEC",
            "ADAM_WARMUP_CODEC_PARAMS", "DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "DEFAULT_WARMUP_CODEC", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
            "OuterLoop", "Schedule", "check_codec"]
 
@@ -86,6 +86,9 @@ DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True
 #: docs/slowlink.md, Defaults): 7 % of each chunk of 256 values, two bits each, with error feedback
 #: in the daemon (SparseLoCo-style), the warm-up syncs at one bit a value, and an outer SGD step of
 #: 3 without momentum on the sparse average (the error feedback stands in for the momentum)
+#: False: Adam-type inner optimizers get the DEFAULT_* codecs and DiLoCo's outer optimizer, as
+#: every other (how the measurements before these defaults ran: their commands set it)
+ADAM_DEFAULTS = True
 ADAM_CODEC = "sparseloco"
 ADAM_CODEC_PARAMS: dict[str, Any] = {"chunk": 256, "k": 18, "beta": 0.95}
 ADAM_WARMUP_CODEC = "lowbit"
