@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import birdnet.client.diloco as _dl
 import numpy as np
 import torch
 from birdnet.client import Client
@@ -153,9 +154,19 @@ class _DiLoCo:
             self._bn_loop.flush()
 
 
-def outer_defaults(optimizer: torch.optim.Optimizer) -> tuple[float, float]:
-    """The outer (lr, momentum) for an inner optimizer: DiLoCo's (0.7, 0.9) for Adam and AdamW (the
-    paper's inner optimizer), plain averaging (1, 0) for the others (docs/slowlink.md, Defaults)."""
+def _adam_type(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the ADAM_* defaults apply (read from birdnet.client.diloco at each call, so a
+    benchmark may set them)."""
+    return _dl.ADAM_DEFAULTS and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def outer_defaults(optimizer: torch.optim.Optimizer, codec: str | None = None) -> tuple[float, float]:
+    """The outer (lr, momentum) for an inner optimizer and the pseudo-gradient's codec (None: the
+    default one): for Adam and AdamW with the default codec, SGD lr 3 without momentum on the sparse
+    average (``ADAM_OUTER_LR``); with another codec DiLoCo's Nesterov SGD (0.7, 0.9; the paper's);
+    plain averaging (1, 0) for the other optimizers (docs/slowlink.md, Defaults)."""
+    if _adam_type(optimizer) and (codec is None or codec == _dl.ADAM_CODEC):
+        return _dl.ADAM_OUTER_LR, _dl.ADAM_OUTER_MOMENTUM
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         return OUTER_LR, OUTER_MOMENTUM
     return WARMUP_OUTER_LR, 0.0
@@ -179,15 +190,19 @@ def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
     sync_every : int or schedule, optional
         H, or ``((H, steps), ..., H)``; None: ``birdnet.client.diloco.DEFAULT_SCHEDULE``.
     outer_lr, outer_momentum, nesterov
-        The outer optimizer. None (default): chosen by the inner optimizer (``outer_defaults``):
-        for Adam/AdamW DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9); for SGD and others plain
+        The outer optimizer. None (default): chosen by the inner optimizer and the codec
+        (``outer_defaults``): for Adam/AdamW with the default codec SGD lr 3 without momentum, with
+        another codec DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9); for SGD and others plain
         averaging of the parameters (lr 1, momentum 0: Local SGD), which the measurements in
         docs/slowlink.md found better with momentum SGD inside. ``outer_momentum=0`` is the lean
         setting (no momentum buffer: 4 bytes per parameter less).
     fragments, overlap
         Streaming DiLoCo: sync in ``fragments`` groups in turn; apply results ``overlap`` steps late.
     codec, codec_params
-        The pseudo-gradient's codec; None: ``birdnet.client.diloco.DEFAULT_CODEC``.
+        The pseudo-gradient's codec; None: chosen by the inner optimizer: for Adam/AdamW
+        ``ADAM_CODEC`` (``sparseloco``: 7 % of the values, two bits each, error feedback), its warm-up
+        syncs ``ADAM_WARMUP_CODEC`` (one-bit ``lowbit``); for the others ``DEFAULT_CODEC`` (4-bit
+        ``lowbit``), all in ``birdnet.client.diloco``.
     timeout : float, optional
         Seconds a sync waits for its all-reduce; None: no limit.
 
@@ -202,12 +217,18 @@ def DiLoCo(optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[st
     if client is None:
         from birdnet.client.torch import init
         client = Client(socket, job=job) if socket is not None else init(job=job)
-    lr0, m0 = outer_defaults(optimizer)
+    lr0, m0 = outer_defaults(optimizer, codec)
     outer_lr = lr0 if outer_lr is None else outer_lr
     outer_momentum = m0 if outer_momentum is None else outer_momentum
+    warm: dict[str, Any] = {}
+    if codec is None and _adam_type(optimizer):
+        if codec_params is not None:
+            raise InputError("codec_params given without codec=; name the codec they belong to")
+        codec, codec_params = _dl.ADAM_CODEC, dict(_dl.ADAM_CODEC_PARAMS)
+        warm = dict(warmup_codec=_dl.ADAM_WARMUP_CODEC, warmup_codec_params=dict(_dl.ADAM_WARMUP_CODEC_PARAMS))
     options = dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                    fragments=fragments, overlap=overlap, codec=codec,
-                   codec_params=None if codec_params is None else dict(codec_params), timeout=timeout)
+                   codec_params=None if codec_params is None else dict(codec_params), timeout=timeout, **warm)
     cls = type(f"DiLoCo{type(optimizer).__name__}", (_DiLoCo, type(optimizer)), {})
     opt = cls.__new__(cls)
     opt.__dict__.update(optimizer.__dict__)  # the same param_groups and state objects, not copies

@@ -65,7 +65,8 @@ from birdnet.client import Client, Handle
 
 from birdnet.errors import InputError, ProtocolError
 
-__all__ = ["DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "DEFAULT_WARMUP_CODEC", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
+__all__ = ["ADAM_CODEC", "ADAM_DEFAULTS", "ADAM_CODEC_PARAMS", "ADAM_OUTER_LR", "ADAM_OUTER_MOMENTUM", "ADAM_WARMUP_CODEC",
+           "ADAM_WARMUP_CODEC_PARAMS", "DEFAULT_CODEC", "DEFAULT_CODEC_PARAMS", "DEFAULT_SCHEDULE", "DEFAULT_WARMUP_CODEC", "MIX_ALPHA", "OUTER_LR", "OUTER_MOMENTUM",
            "OuterLoop", "Schedule", "check_codec"]
 
 #: the outer optimizer of DiLoCo (arXiv 2311.08105, section 3): Nesterov SGD, lr 0.7, momentum 0.9
@@ -81,6 +82,19 @@ DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
 #: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
 DEFAULT_WARMUP_CODEC = "lowbit"
 DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
+#: the defaults with an Adam-type inner optimizer (the PyTorch adapter's, by the optimizer it wraps;
+#: docs/slowlink.md, Defaults): 7 % of each chunk of 256 values, two bits each, with error feedback
+#: in the daemon (SparseLoCo-style), the warm-up syncs at one bit a value, and an outer SGD step of
+#: 3 without momentum on the sparse average (the error feedback stands in for the momentum)
+#: False: Adam-type inner optimizers get the DEFAULT_* codecs and DiLoCo's outer optimizer, as
+#: every other (how the measurements before these defaults ran: their commands set it)
+ADAM_DEFAULTS = True
+ADAM_CODEC = "sparseloco"
+ADAM_CODEC_PARAMS: dict[str, Any] = {"chunk": 256, "k": 18, "beta": 0.95}
+ADAM_WARMUP_CODEC = "lowbit"
+ADAM_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 1, "block": 256, "error_feedback": True}
+ADAM_OUTER_LR = 3.0
+ADAM_OUTER_MOMENTUM = 0.0
 #: the longest the constructor waits for the local daemon to load the codecs' kernels (beyond it the
 #: first sync waits for them instead)
 KERNELS_TIMEOUT = 300.0
@@ -180,6 +194,8 @@ class OuterLoop:
     codec, codec_params
         The pseudo-gradient's codec for every sync; None: ``DEFAULT_CODEC`` (``DEFAULT_CODEC_PARAMS``)
         for the syncs at the schedule's last H and ``DEFAULT_WARMUP_CODEC`` for the warm-up syncs.
+    warmup_codec, warmup_codec_params
+        The warm-up syncs' codec when ``codec`` is given (None: ``codec`` for every sync).
     timeout : float, optional
         Seconds a sync waits for its all-reduce (RoundTimeoutError beyond); None: no limit. Also the
         longest the constructor waits for the local daemon to load the codecs' kernels (None:
@@ -194,7 +210,8 @@ class OuterLoop:
                  outer_momentum: float = OUTER_MOMENTUM, nesterov: bool = True, fragments: int = 1,
                  overlap: bool | int = False, codec: str | None = None, codec_params: dict[str, Any] | None = None,
                  timeout: float | None = None, pull: Callable[[], None] | None = None,
-                 push: Callable[[], None] | None = None) -> None:
+                 push: Callable[[], None] | None = None, warmup_codec: str | None = None,
+                 warmup_codec_params: dict[str, Any] | None = None) -> None:
         self.client = client
         items = list(named_arrays)
         if not items:
@@ -225,14 +242,19 @@ class OuterLoop:
             self.delay = int(overlap)
         else:
             raise InputError(f"overlap={overlap!r}: expected True, False or a number of steps >= 0")
+        if warmup_codec_params is not None and warmup_codec is None:
+            raise InputError("warmup_codec_params given without warmup_codec=; name the codec they belong to")
         if codec is None:
             if codec_params is not None:
                 raise InputError("codec_params given without codec=; name the codec they belong to")
+            if warmup_codec is not None:
+                raise InputError("warmup_codec given without codec=; name both (or neither: the defaults)")
             codec, codec_params = DEFAULT_CODEC, dict(DEFAULT_CODEC_PARAMS)
             warm_codec, warm_params = DEFAULT_WARMUP_CODEC, dict(DEFAULT_WARMUP_CODEC_PARAMS)
         else:
             codec_params = dict(codec_params or {})
-            warm_codec, warm_params = codec, codec_params
+            warm_codec, warm_params = ((codec, codec_params) if warmup_codec is None
+                                       else (warmup_codec, dict(warmup_codec_params or {})))
         check_codec(codec, codec_params)
         check_codec(warm_codec, warm_params)
         #: seconds the constructor waited for the daemon's codec kernels (0 when they were loaded)

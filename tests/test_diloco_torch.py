@@ -123,7 +123,10 @@ def worker(sock, node, local):
             for n, p in model.named_parameters():  # evaluate the outer parameters
                 p.data.copy_(torch.from_numpy(opt.outer_loop.outer_parameters()[n]))
             out["quality"][inner] = {"loss": held_out(model, xv, yv), "bytes": opt.last_stats["bytes_sent_total"],
-                                     "outer": outer_bytes(opt)}
+                                     "outer": outer_bytes(opt), "settings": opt.outer_loop.settings()}
+        # Adam with a codec named: DiLoCo's outer optimizer, every sync in that codec
+        model, opt = make(bnt, client, 60, codec="lowbit", codec_params={"bits": 4})
+        out["named_codec"] = opt.outer_loop.settings()
     return out
 
 
@@ -175,6 +178,20 @@ def test_rejoin_from_outer_parameters(results):
     for r in results:
         assert r["rejoin"]["local_is_outer"]
         assert r["rejoin"]["step"] == 16  # rank 1's counters came from rank 0
+
+
+@pytest.mark.timeout(500)
+def test_the_defaults_follow_the_inner_optimizer(results):
+    from birdnet.client.diloco import (ADAM_CODEC, ADAM_CODEC_PARAMS, ADAM_OUTER_LR, ADAM_WARMUP_CODEC,
+                                       ADAM_WARMUP_CODEC_PARAMS, DEFAULT_CODEC, DEFAULT_CODEC_PARAMS)
+    adam, sgd = results[0]["quality"]["adamw"]["settings"], results[0]["quality"]["sgd"]["settings"]
+    assert (adam["codec"], adam["codec_params"]) == (ADAM_CODEC, ADAM_CODEC_PARAMS)
+    assert (adam["warmup_codec"], adam["warmup_codec_params"]) == (ADAM_WARMUP_CODEC, ADAM_WARMUP_CODEC_PARAMS)
+    assert (adam["outer_lr"], adam["outer_momentum"]) == (ADAM_OUTER_LR, 0.0)
+    assert (sgd["codec"], sgd["codec_params"]) == (DEFAULT_CODEC, DEFAULT_CODEC_PARAMS)
+    assert (sgd["outer_lr"], sgd["outer_momentum"]) == (1.0, 0.0)
+    named = results[0]["named_codec"]
+    assert (named["codec"], named["warmup_codec"], named["outer_lr"], named["outer_momentum"]) == ("lowbit", "lowbit", 0.7, 0.9)
 
 
 @pytest.mark.timeout(500)
