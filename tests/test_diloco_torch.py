@@ -182,8 +182,15 @@ def test_rejoin_from_outer_parameters(results):
 
 @pytest.mark.timeout(500)
 def test_the_defaults_follow_the_inner_optimizer(results):
-    from birdnet.client.diloco import (ADAM_CODEC, ADAM_CODEC_PARAMS, ADAM_OUTER_LR, ADAM_WARMUP_CODEC,
-                                       ADAM_WARMUP_CODEC_PARAMS, DEFAULT_CODEC, DEFAULT_CODEC_PARAMS)
+    from birdnet.client.diloco import (
+        ADAM_CODEC,
+        ADAM_CODEC_PARAMS,
+        ADAM_OUTER_LR,
+        ADAM_WARMUP_CODEC,
+        ADAM_WARMUP_CODEC_PARAMS,
+        DEFAULT_CODEC,
+        DEFAULT_CODEC_PARAMS,
+    )
     adam, sgd = results[0]["quality"]["adamw"]["settings"], results[0]["quality"]["sgd"]["settings"]
     assert (adam["codec"], adam["codec_params"]) == (ADAM_CODEC, ADAM_CODEC_PARAMS)
     assert (adam["warmup_codec"], adam["warmup_codec_params"]) == (ADAM_WARMUP_CODEC, ADAM_WARMUP_CODEC_PARAMS)
