@@ -128,10 +128,10 @@ def test_smoke_tta_on_loopback(tmp_path):
     # DiLoCo: its outer parameters, evaluated and compared (the local ones differ between syncs)
     assert all(r["identical"] for r in rows.values())
     assert "local_val_loss" in rows["diloco"]["curve"][-1]
-    # the row keeps DiLoCo's settings as resolved (the defaults of this release)
-    from birdnet.client.diloco import DEFAULT_CODEC, DEFAULT_CODEC_PARAMS, DEFAULT_SCHEDULE
+    # the row keeps DiLoCo's settings as resolved (the defaults of this release; the task's AdamW)
+    from birdnet.client.diloco import ADAM_CODEC, ADAM_CODEC_PARAMS, ADAM_OUTER_LR, DEFAULT_SCHEDULE
     st = rows["diloco"]["settings"]
-    assert (st["codec"], st["codec_params"]) == (DEFAULT_CODEC, DEFAULT_CODEC_PARAMS)
+    assert (st["codec"], st["codec_params"], st["outer_lr"]) == (ADAM_CODEC, ADAM_CODEC_PARAMS, ADAM_OUTER_LR)
     assert st["sync_every"] == json.loads(json.dumps(DEFAULT_SCHEDULE)) and "settings" not in rows["marsit"]
     assert rows["marsit"]["bytes_per_node"] > 0 and rows["diloco"]["bytes_per_node"] > 0  # the adapter's count
     assert rows["gloo"]["time_to_target_s"] is not None  # its own final loss x 1.02 is reached
