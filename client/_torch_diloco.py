@@ -154,10 +154,13 @@ class _DiLoCo:
             self._bn_loop.flush()
 
 
+_ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+
+
 def _adam_type(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the ADAM_* defaults apply (read from birdnet.client.diloco at each call, so a
     benchmark may set them)."""
-    return _dl.ADAM_DEFAULTS and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    return _dl.ADAM_DEFAULTS and isinstance(optimizer, _ADAM_TYPES)
 
 
 def outer_defaults(optimizer: torch.optim.Optimizer, codec: str | None = None) -> tuple[float, float]:
@@ -167,7 +170,7 @@ def outer_defaults(optimizer: torch.optim.Optimizer, codec: str | None = None) -
     plain averaging (1, 0) for the other optimizers (docs/slowlink.md, Defaults)."""
     if _adam_type(optimizer) and (codec is None or codec == _dl.ADAM_CODEC):
         return _dl.ADAM_OUTER_LR, _dl.ADAM_OUTER_MOMENTUM
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+    if isinstance(optimizer, _ADAM_TYPES):
         return OUTER_LR, OUTER_MOMENTUM
     return WARMUP_OUTER_LR, 0.0
 

@@ -82,13 +82,13 @@ DEFAULT_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
 #: with codec=None, the warm-up syncs (H below the schedule's last) use this codec instead
 DEFAULT_WARMUP_CODEC = "lowbit"
 DEFAULT_WARMUP_CODEC_PARAMS: dict[str, Any] = {"bits": 4, "error_feedback": True}
+#: False: Adam-type inner optimizers get the DEFAULT_* codecs and DiLoCo's outer optimizer, as
+#: every other (how the measurements before the ADAM_* defaults ran: their commands set it)
+ADAM_DEFAULTS = True
 #: the defaults with an Adam-type inner optimizer (the PyTorch adapter's, by the optimizer it wraps;
 #: docs/slowlink.md, Defaults): 7 % of each chunk of 256 values, two bits each, with error feedback
 #: in the daemon (SparseLoCo-style), the warm-up syncs at one bit a value, and an outer SGD step of
 #: 3 without momentum on the sparse average (the error feedback stands in for the momentum)
-#: False: Adam-type inner optimizers get the DEFAULT_* codecs and DiLoCo's outer optimizer, as
-#: every other (how the measurements before these defaults ran: their commands set it)
-ADAM_DEFAULTS = True
 ADAM_CODEC = "sparseloco"
 ADAM_CODEC_PARAMS: dict[str, Any] = {"chunk": 256, "k": 18, "beta": 0.95}
 ADAM_WARMUP_CODEC = "lowbit"
