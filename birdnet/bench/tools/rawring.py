@@ -55,8 +55,18 @@ def timed(allreduce, k: int) -> dict:
     return {"cpu": cpu, "wall": wall, "threads": {t: (t1[t] - t0.get(t, 0.0)) / k for t in t1}}
 
 
-def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q) -> None:
-    """rank_main's schedule over ZeroMQ, moving data as birdnet does (the module's docstring)."""
+def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], q, commit: bool = False,
+                  headers: bool = False) -> None:
+    """rank_main's schedule over ZeroMQ, moving data as birdnet does (the module's docstring).
+
+    ``commit``: after the all-gather, the count birdnet's all-or-nothing rounds end with
+    (daemon/transport.py, RoundTransport.await_commit): each node tells its right neighbour how many
+    consecutive nodes ending with itself hold the result, 1 + its left's last count, at most world - 1,
+    again whenever it grows, and the call returns once its left says world - 1 (world - 1 small
+    messages in and out per node). ``headers``: every message carries a small msgpack header (the
+    round's key, phase and step) that the receiver decodes and checks, the least a node needs to tell
+    one round's messages from another's; no other check, record or poll."""
+    import msgpack
     import zmq
 
     world = len(ports)
@@ -75,7 +85,12 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
     copy_below = 1 << 20  # daemon/links.py COPY_BELOW
     trackers = []
 
-    def send(buf) -> None:
+    tag = {"k": "w", "p": 0, "s": 0}
+
+    def send(buf, step: int = 0) -> None:
+        if headers:
+            tag["s"] = step
+            push.send(msgpack.packb(tag), zmq.SNDMORE)
         if isinstance(buf, zmq.Frame):
             push.send(buf, copy=False)  # a received frame goes on as it is
             return
@@ -84,9 +99,23 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
         if big:
             trackers.append(t)
 
-    def recv() -> tuple[zmq.Frame, np.ndarray]:
+    def recv(step: int = 0) -> tuple[zmq.Frame, np.ndarray]:
+        if headers:
+            h = msgpack.unpackb(pull.recv())
+            if h["k"] != "w" or h["s"] != step:
+                raise RuntimeError(f"unexpected message {h} at step {step}")
         f = pull.recv(copy=False)
         return f, np.frombuffer(f.buffer, np.float32)
+
+    def count(c: int) -> None:
+        if headers:
+            push.send(msgpack.packb({"k": "w", "t": "commit", "c": c}))
+        else:
+            push.send(c.to_bytes(1, "little"))
+
+    def counted() -> int:
+        m = pull.recv()
+        return msgpack.unpackb(m)["c"] if headers else m[0]
 
     # every rank sends first: all connections are up before the first call's data
     push.send(b"hello")
@@ -97,22 +126,32 @@ def zmq_rank_main(r: int, ports: list[int], sizes: list[int], calls: list[int], 
         b = segment_bounds(n, world)
 
         def allreduce(x: np.ndarray = x, b: list[int] = b) -> None:
-            send(x[b[r]:b[r + 1]])
+            send(x[b[r]:b[r + 1]], 0)
             for s in range(world - 1):
                 seg = (r - s - 1) % world
-                f, part = recv()
+                f, part = recv(s)
                 if s < world - 2:
                     np.add(part, x[b[seg]:b[seg + 1]], out=part)
-                    send(f)
+                    send(f, s + 1)
                 else:
                     x[b[seg]:b[seg + 1]] += part
-                    send(x[b[seg]:b[seg + 1]])
+                    send(x[b[seg]:b[seg + 1]], s + 1)
             for s in range(world - 1):
                 seg = (r - s) % world
-                f, part = recv()
+                f, part = recv(world - 1 + s)
                 x[b[seg]:b[seg + 1]] = part
                 if s < world - 2:
-                    send(f)
+                    send(f, world + s)
+            if commit:
+                left = sent = 0
+                while True:
+                    c = min(1 + left, world - 1)
+                    if c > sent:
+                        count(c)
+                        sent = c
+                    if left >= world - 1:
+                        break
+                    left = counted()
             for t in trackers:
                 t.wait()
             trackers.clear()
@@ -203,6 +242,10 @@ def main() -> int:
     p.add_argument("--calls", default="400,400,60")
     p.add_argument("--gloo-calls", type=int, default=100)
     p.add_argument("--zmq", action="store_true", help="the same schedule over ZeroMQ, as birdnet moves data")
+    p.add_argument("--commit", action="store_true",
+                   help="--zmq only: end each call with birdnet's commit count round the ring")
+    p.add_argument("--headers", action="store_true",
+                   help="--zmq only: a small msgpack header on every message, decoded and checked")
     p.add_argument("--handoff", action="store_true",
                    help="plain sockets only: each call first copies the process's own array into the ring's, "
                         "as birdnet's client copies it into shared memory")
@@ -216,7 +259,9 @@ def main() -> int:
     q = ctx.Queue()
     if a.zmq and a.handoff:
         p.error("--handoff is for the plain-socket ring")
-    target, extra = (zmq_rank_main, ()) if a.zmq else (rank_main, (a.handoff,))
+    if (a.commit or a.headers) and not a.zmq:
+        p.error("--commit and --headers are for the ZeroMQ ring (--zmq)")
+    target, extra = (zmq_rank_main, (a.commit, a.headers)) if a.zmq else (rank_main, (a.handoff,))
     procs = [ctx.Process(target=target, args=(r, ports, sizes, calls, q, *extra)) for r in range(NODES)]
     for pr in procs:
         pr.start()
@@ -229,13 +274,14 @@ def main() -> int:
     rows = []
     for n in sizes:
         row = {"count": n, "calls": calls[sizes.index(n)], "gloo_calls": a.gloo_calls, "zmq": a.zmq, "handoff": a.handoff,
+               "commit": a.commit, "headers": a.headers,
                "raw_ms": sum(got[r][n]["cpu"] for r in got) * 1e3,
                "wall_ms": max(got[r][n]["wall"] for r in got) * 1e3, "gloo_ms": g[n] * 1e3}
         row["ratio"] = row["raw_ms"] / row["gloo_ms"]
         for t in ("main", "zmq_io", "other"):
             row[f"{t}_ms"] = sum(got[r][n]["threads"].get(t, 0.0) for r in got) * 1e3
         rows.append(row)
-        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring{' + hand-off' if a.handoff else ''} {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}; "
+        print(f"{n:>10,} {'bare ZeroMQ' if a.zmq else 'plain-socket'} ring{' + hand-off' if a.handoff else ''}{' + commit' if a.commit else ''}{' + headers' if a.headers else ''} {row['raw_ms']:7.1f} ms (wall {row['wall_ms']:.1f}; "
               f"ring thread {row['main_ms']:.1f}, ZeroMQ I/O {row['zmq_io_ms']:.1f}, other {row['other_ms']:.1f}) Gloo "
               f"{row['gloo_ms']:7.1f} ms: {row['ratio']:.2f}x", file=sys.stderr)
     dump(rows)
