@@ -96,8 +96,9 @@ class _DiLoCo:
     def last_stats(self) -> dict[str, Any]:
         """This process's figures of the last sync: ``bytes_sent`` / ``bytes_received`` (this node's,
         at the transport), ``syncs`` (started so far), ``step`` (inner steps so far), ``fragment``,
-        ``sync_every`` (H in force), ``codec``, ``seconds`` (the round's data phase) and
-        ``bytes_sent_total`` (every sync so far)."""
+        ``sync_every`` (H in force), ``codec``, ``seconds`` (the round's data phase),
+        ``bytes_sent_total`` (every sync so far) and ``state_bytes`` (the codec state the local
+        daemon holds, all tensors)."""
         return dict(self._bn_loop.last_stats)
 
     @property

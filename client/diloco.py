@@ -347,7 +347,10 @@ class OuterLoop:
             a = self.arrays[i].reshape(-1)
             np.subtract(f.outer[off:off + a.size], a, out=buf[off:off + a.size], casting="same_kind")
         codec, params = (self.warmup_codec, self.warmup_codec_params) if warm else (self.codec, self.codec_params)
-        name = f"diloco/{codec}/{f.label}"
+        # One name per fragment whatever the codec: the daemon keeps codec state per name
+        # (StateStore), so the first sync after the warm-up replaces the warm-up codec's state
+        # (its error feedback, 4 bytes per parameter) instead of keeping it for the whole job.
+        name = f"diloco/{f.label}"
         f.handle = self.client.allreduce_async(buf, op="mean", name=name, codec=codec, **params)
         f.pending_lr, f.pending_m = lr, m
 
@@ -365,7 +368,8 @@ class OuterLoop:
                            "syncs": self.syncs, "step": self.step_count, "fragment": f.index,
                            "sync_every": self.schedule.at(max(0, self.step_count - 1)),
                            "codec": st.get("codec", self.codec), "seconds": float(st.get("seconds", 0.0) or 0.0),
-                           "bytes_sent_total": self.bytes_sent_total}
+                           "bytes_sent_total": self.bytes_sent_total,
+                           "state_bytes": int(st.get("state_bytes", 0) or 0)}
 
     def _finish(self, f: _Fragment, mix: bool) -> None:
         self._receive(f)

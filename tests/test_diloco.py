@@ -92,6 +92,14 @@ def numpy_worker(sock, node, local):
                                                      timeout=400)  # a first use may compile its kernels
             out["codecs"][name] = {"outer": outer[-1], "bytes": stats[-1]["bytes_sent"],
                                    "finite": bool(all(np.isfinite(v).all() for v in params.values()))}
+        # a warm-up codec of its own: the first sync after the warm-up replaces its state (one
+        # tensor name per fragment), the daemon does not keep both
+        client.reset_state(timeout=60)
+        loop, params, outer, stats = _numpy_run(client, 10, sync_every=((1, 4), 4), codec="sparseloco",
+                                                codec_params={"chunk": 256, "k": 18},
+                                                warmup_codec="lowbit", warmup_codec_params={"bits": 1, "block": 256})
+        out["warm"] = {"codec": [s.get("codec") for s in stats], "state": [s.get("state_bytes") for s in stats],
+                       "numel": sum(v.size for v in params.values())}
         del pre
     return out
 
@@ -108,6 +116,23 @@ def _identical(runs, key):
         for r in runs[1:]:
             for k, v in snap.items():
                 assert r[key]["outer"][s][k] == v, f"{key}: step {s + 1}: outer {k!r} differs between processes"
+
+
+def test_the_warmup_codecs_state_is_dropped_after_the_warmup(np_results):
+    from birdnet.codecs import get_codec as get
+
+    for r in np_results:
+        w = r["warm"]
+        assert w["codec"][0] == "lowbit" and w["codec"][-1] == "sparseloco", w["codec"]
+        n = w["numel"]
+        # both codecs keep 4 bytes per element (error feedback; the accumulator): one state at a time
+        lowbit = get("lowbit", bits=1, block=256)
+        sparse = get("sparseloco", chunk=256, k=18)
+        warm_bytes = lowbit.state_nbytes(lowbit.new_state(n))
+        steady_bytes = sparse.state_nbytes(sparse.new_state(n))
+        assert warm_bytes > 0 and steady_bytes > 0
+        assert w["state"][0] == warm_bytes, w["state"]
+        assert w["state"][-1] == steady_bytes, (w["state"], warm_bytes, steady_bytes)
 
 
 @pytest.mark.timeout(600)
