@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from birdnet.codecs.base import RoundContext, StateTxn, peek
+from birdnet.codecs.base import Codec, Payload, RoundContext, StateTxn, overwrite, peek
 from birdnet.errors import CodecError
 
 
@@ -130,3 +130,29 @@ def require_state(codec: str, state: Any, n: int, keys: tuple[str, ...]) -> dict
         raise CodecError(f"codec {codec!r}: missing or mis-sized state (expected {', '.join(keys)} of "
                          f"{n} elements); create it with codec.new_state(n)")
     return state
+
+
+class HopRequantised(Codec):
+    """A SUMMABLE codec whose wire format re-encodes the partial sum at every hop (``lowbit``,
+    ``ternary``): the values go to the ring as they are (plus the residual with
+    ``params["error_feedback"]``), and the wire format writes each element's encoding error into
+    ``state["v"]`` as the ring encodes it (every element once a round on every node)."""
+
+    def new_state(self, n: int) -> Any:
+        return {"v": np.zeros(n, np.float32)} if self.params["error_feedback"] else None
+
+    def compress(self, x: np.ndarray, ctx: RoundContext, state: Any = None) -> Payload:
+        n = check_input(self.name, x, ctx)
+        if self.params["error_feedback"]:
+            require_state(self.name, state, n, ("v",))
+            return Payload(header={}, values=np.add(x, peek(state, "v")))
+        return Payload(header={}, values=x.copy())
+
+    def residual(self, state: Any) -> np.ndarray | None:
+        """The array the round's wire format writes the encoding errors into (None without error
+        feedback). It starts uninitialised: the ring writes every element's residual once."""
+        return overwrite(state, "v") if self.params["error_feedback"] else None
+
+    def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any = None) -> None:
+        check_out(self.name, out, ctx)
+        out[:] = payload.values

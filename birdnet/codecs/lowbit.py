@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from birdnet.codecs import _common as C
-from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
+from birdnet.codecs.base import Pattern, RoundContext
 from birdnet.errors import CodecError
 from birdnet.kernels import lazy
 
@@ -72,7 +72,7 @@ class LowbitWire:
         K.decode(buf, self.bits, self.block, out, own, midrise=self.midrise)
 
 
-class LowbitCodec(Codec):
+class LowbitCodec(C.HopRequantised):
     """Block-quantised low-bit values. SUMMABLE (requantised at every hop); optional error feedback."""
 
     name = "lowbit"
@@ -95,21 +95,5 @@ class LowbitCodec(Codec):
                              "always has them)")
         return params
 
-    def new_state(self, n: int) -> Any:
-        return {"v": np.zeros(n, np.float32)} if self.params["error_feedback"] else None
-
-    def compress(self, x: np.ndarray, ctx: RoundContext, state: Any = None) -> Payload:
-        n = C.check_input(self.name, x, ctx)
-        if self.params["error_feedback"]:
-            C.require_state(self.name, state, n, ("v",))
-            return Payload(header={}, values=np.add(x, peek(state, "v")))
-        return Payload(header={}, values=x.copy())
-
     def wire_format(self, ctx: RoundContext, state: Any = None) -> LowbitWire:
-        # the ring writes every element's residual once, so the round's array starts uninitialised
-        residual = overwrite(state, "v") if self.params["error_feedback"] else None
-        return LowbitWire(self.params["bits"], self.params["block"], residual, self.params["midrise"])
-
-    def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any = None) -> None:
-        C.check_out(self.name, out, ctx)
-        out[:] = payload.values
+        return LowbitWire(self.params["bits"], self.params["block"], self.residual(state), self.params["midrise"])

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from birdnet.codecs import _common as C
-from birdnet.codecs.base import Codec, Pattern, Payload, RoundContext, overwrite, peek
+from birdnet.codecs.base import Pattern, RoundContext
 from birdnet.errors import CodecError
 from birdnet.kernels import lazy
 
@@ -50,7 +50,7 @@ class TernaryWire:
         K.decode(buf, self.block, out, own)
 
 
-class TernaryCodec(Codec):
+class TernaryCodec(C.HopRequantised):
     """Block-scaled ternary values. SUMMABLE (requantised at every hop); optional error feedback."""
 
     name = "ternary"
@@ -66,22 +66,5 @@ class TernaryCodec(Codec):
             raise CodecError(f"codec 'ternary': error_feedback must be True or False, got {ef!r}")
         return params
 
-    def new_state(self, n: int) -> Any:
-        return {"v": np.zeros(n, np.float32)} if self.params["error_feedback"] else None
-
-    def compress(self, x: np.ndarray, ctx: RoundContext, state: Any = None) -> Payload:
-        C.check_input(self.name, x, ctx)
-        n = x.size
-        if self.params["error_feedback"]:
-            C.require_state(self.name, state, n, ("v",))
-            return Payload(header={}, values=np.add(x, peek(state, "v")))
-        return Payload(header={}, values=x.copy())
-
     def wire_format(self, ctx: RoundContext, state: Any = None) -> TernaryWire:
-        # the ring writes every element's residual once, so the round's array starts uninitialised
-        residual = overwrite(state, "v") if self.params["error_feedback"] else None
-        return TernaryWire(self.params["block"], residual)
-
-    def decompress(self, payload: Payload, out: np.ndarray, ctx: RoundContext, state: Any = None) -> None:
-        C.check_out(self.name, out, ctx)
-        out[:] = payload.values
+        return TernaryWire(self.params["block"], self.residual(state))
