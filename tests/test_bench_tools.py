@@ -30,6 +30,16 @@ def test_tool_imports_and_parses(name):
     assert "usage:" in r.stdout
 
 
+@pytest.mark.timeout(150)
+def test_rawring_with_the_commit_count_and_headers_runs_round_after_round():
+    # the bare ring's variants behind docs/benchmarks.md's floor: a count that never reached world - 1,
+    # or a header out of step, would hang (the ranks' 120 s receive timeout) or raise
+    pytest.importorskip("torch")  # the Gloo ranks beside it
+    r = _tool("rawring", "--zmq", "--commit", "--headers", "--sizes", "1000,100000", "--calls", "20,5", "--gloo-calls", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("bare ZeroMQ ring + commit + headers") == 2, r.stderr[-2000:]
+
+
 def test_tables_prints_the_docs_loop_table():
     r = _tool("tables", "loop", str(RESULTS / "loop_4_1gbit_lane.json"))
     assert r.returncode == 0, r.stderr[-2000:]
