@@ -42,6 +42,10 @@ def test_mixed_ring_plan_covers_every_codec_and_birdplus_mode():
     for c in cfgs:  # every variant is a valid configuration (a typo would fail only under emulation)
         get_codec(c["codec"], **c["params"])
     assert len({c["label"] for c in cfgs}) == len(cfgs)
+    # DiLoCo's defaults with Adam (what most training loops send) are run as they are
+    from birdnet.client.diloco import ADAM_CODEC, ADAM_CODEC_PARAMS, ADAM_WARMUP_CODEC, ADAM_WARMUP_CODEC_PARAMS
+    plan = [(c["codec"], c["params"]) for c in cfgs]
+    assert (ADAM_CODEC, ADAM_CODEC_PARAMS) in plan and (ADAM_WARMUP_CODEC, ADAM_WARMUP_CODEC_PARAMS) in plan
 
 
 def test_ring_inputs_are_pinned_bits():

@@ -78,6 +78,9 @@ def configs() -> list[dict]:
         ("lowbit-4", "lowbit", {"bits": 4}),
         ("lowbit-2-noef", "lowbit", {"bits": 2, "block": 8, "error_feedback": False}),
         ("lowbit-1", "lowbit", {"bits": 1}),  # the block's mean |x|, summed in float64
+        # DiLoCo's default with Adam (birdnet.client.diloco.ADAM_CODEC_PARAMS): a decay below 1 multiplies
+        ("sparseloco-adam", "sparseloco", {"chunk": 256, "k": 18, "beta": 0.95}),
+        ("lowbit-1-256", "lowbit", {"bits": 1, "block": 256, "error_feedback": True}),  # its warm-up syncs
     ]
     known = set(names())
     out += [{"label": lab, "codec": c, "params": p} for lab, c, p in variants if c in known]
