@@ -50,6 +50,21 @@ def nbytes(n: int, chunk: int, k: int) -> tuple[int, int]:
 
 
 @njit(cache=True)
+def _index_bits(c):
+    """index_bits in the kernels."""
+    b = 1
+    while (1 << b) < c:
+        b += 1
+    return b
+
+
+@njit(cache=True)
+def _body_bytes(c, kk, b):
+    """chunk_body_bytes in the kernels (``b``: _index_bits(c))."""
+    return (min(kk * b, c) + 2 * kk + 7) // 8
+
+
+@njit(cache=True)
 def _bf16_nearest(v):
     a = np.empty(1, np.float32)
     a[0] = v
@@ -130,9 +145,7 @@ def _encode(e, chunk, k, scales, body, sent):
         scales[2 * ci + 1] = hi16
         lo = _scale(lo16)
         hi = _scale(hi16)
-        b = 1
-        while (1 << b) < c:
-            b += 1
+        b = _index_bits(c)
         pos = off * 8
         use_offsets = kk * b < c
         if use_offsets:
@@ -155,7 +168,7 @@ def _encode(e, chunk, k, scales, body, sent):
                 sent[start + i] = -mag if neg else mag
             else:
                 sent[start + i] = 0.0
-        off += (min(kk * b, c) + 2 * kk + 7) // 8
+        off += _body_bytes(c, kk, b)
         start += c
         ci += 1
     return off
@@ -172,9 +185,7 @@ def _decode_add(scales, body, n, chunk, k, out, write):
     while start < n:
         c = min(chunk, n - start)
         kk = min(k, c)
-        b = 1
-        while (1 << b) < c:
-            b += 1
+        b = _index_bits(c)
         lo = _scale(scales[2 * ci])
         hi = _scale(scales[2 * ci + 1])
         pos = off * 8
@@ -204,7 +215,7 @@ def _decode_add(scales, body, n, chunk, k, out, write):
                 pos += 2
                 mag = hi if code & 2 else lo
                 out[start + pos_buf[j]] += -mag if code & 1 else mag
-        off += (min(kk * b, c) + 2 * kk + 7) // 8
+        off += _body_bytes(c, kk, b)
         start += c
         ci += 1
     return 0
